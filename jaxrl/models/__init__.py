@@ -1,0 +1,14 @@
+"""Flax NNX decoder (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) and HF safetensors in/out."""
+
+from jaxrl.models.config import (
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+)
+from jaxrl.models.transformer import KVCache, Transformer, default_positions
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "KVCache", "ModelConfig", "RopeScaling", "Transformer",
+    "UnsupportedModelError", "default_positions",
+]

@@ -1,0 +1,116 @@
+"""Grouped-query self-attention with rotary positions, optional q/k/v bias and q/k RMSNorm.
+
+The same module serves the training forward (attend within the given tokens) and the
+sampler's cached path (write this call's keys/values into a preallocated cache at slot
+`end`, then attend over the whole cache). Masks are built once per forward by
+`attention_mask` / `cache_attention_mask` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
+from jaxrl.sharding import constrain
+
+
+def attention_mask(valid_BxT: jax.Array, sliding_window: int | None) -> jax.Array:
+    """mask[b, t, s] = s <= t and valid[b, s] (and t - s < window), plus the diagonal.
+
+    Keeping the diagonal lets padding queries attend to themselves, so no softmax row is
+    empty (their outputs are garbage that callers mask, never NaN).
+    """
+    t = jnp.arange(valid_BxT.shape[1])
+    return _mask(valid_BxT, t, t, sliding_window)
+
+
+def cache_attention_mask(cache_valid_BxS: jax.Array, end: jax.Array, num_new: int,
+                         sliding_window: int | None) -> jax.Array:
+    """Mask of `num_new` queries written at cache slots [end, end + num_new) over all slots."""
+    return _mask(cache_valid_BxS, end + jnp.arange(num_new),
+                 jnp.arange(cache_valid_BxS.shape[1]), sliding_window)
+
+
+def _mask(valid_BxS, query_slots_T, key_slots_S, sliding_window):
+    q, k = query_slots_T[:, None], key_slots_S[None, :]
+    allowed_TxS = k <= q
+    if sliding_window is not None:
+        allowed_TxS &= q - k < sliding_window
+    mask_BxTxS = allowed_TxS[None] & valid_BxS.astype(bool)[:, None, :]
+    return mask_BxTxS | (q == k)[None]
+
+
+class Attention(nnx.Module):
+    """softmax(q k^T / sqrt(head_dim) + mask) v with num_heads / num_kv_heads query groups."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        e, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.config = config
+        self.q_kernel = param(normal(rngs, (e, n, h), config), ("embed", "heads", "head_dim"))
+        self.k_kernel = param(normal(rngs, (e, k, h), config), ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = param(normal(rngs, (e, k, h), config), ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = param(normal(rngs, (n, h, e), config), ("heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            zeros = lambda *shape: jnp.zeros(shape, config.weight_dtype)  # noqa: E731
+            self.q_bias = param(zeros(n, h), ("heads", "head_dim"))
+            self.k_bias = param(zeros(k, h), ("kv_heads", "head_dim"))
+            self.v_bias = param(zeros(k, h), ("kv_heads", "head_dim"))
+        if config.o_bias:
+            self.o_bias = param(jnp.zeros((e,), config.weight_dtype), ("embed",))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
+            self.k_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
+
+    def _project(self, x_BxTxE, kernel, bias_name):
+        dt = self.config.compute_dtype
+        y = jnp.einsum("bte,enh->btnh", x_BxTxE, kernel[...].astype(dt))
+        if self.config.qkv_bias:
+            y = y + getattr(self, bias_name)[...].astype(dt)
+        return y
+
+    def __call__(
+        self,
+        x_BxTxE: jax.Array,
+        positions_BxT: jax.Array,
+        inv_freq_H2: jax.Array,
+        mask_BxTxS: jax.Array,
+        cache: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Output, and with `cache=(k_LxBxSxKxH, v_LxBxSxKxH, layer, end)` the updated k, v."""
+        cfg = self.config
+        q_BxTxNxH = self._project(x_BxTxE, self.q_kernel, "q_bias")
+        k_BxTxKxH = self._project(x_BxTxE, self.k_kernel, "k_bias")
+        v_BxTxKxH = self._project(x_BxTxE, self.v_kernel, "v_bias")
+        if cfg.qk_norm:
+            q_BxTxNxH = self.q_norm(q_BxTxNxH)
+            k_BxTxKxH = self.k_norm(k_BxTxKxH)
+        q_BxTxNxH = constrain(apply_rope(q_BxTxNxH, positions_BxT, inv_freq_H2),
+                              ("batch", "seq", "act_heads", "head_dim"))
+        k_BxTxKxH = apply_rope(k_BxTxKxH, positions_BxT, inv_freq_H2)
+        new_cache = None
+        if cache is not None:
+            # Write into the stacked cache of all layers so XLA updates one buffer in place.
+            k_cache, v_cache, layer, end = cache
+            start = (layer, 0, end, 0, 0)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxTxKxH[None].astype(k_cache.dtype), start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxTxKxH[None].astype(v_cache.dtype), start)
+            new_cache = (k_cache, v_cache)
+            k_BxTxKxH = k_cache[layer].astype(cfg.compute_dtype)
+            v_BxTxKxH = v_cache[layer].astype(cfg.compute_dtype)
+        kv_axes = ("batch", "cache_seq" if cache is not None else "seq", "act_kv_heads", "head_dim")
+        k_BxTxKxH = constrain(k_BxTxKxH, kv_axes)
+        v_BxTxKxH = constrain(v_BxTxKxH, kv_axes)
+        out_BxTxNxH = jax.nn.dot_product_attention(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+            mask=mask_BxTxS[:, None, :, :],
+            scale=cfg.head_dim ** -0.5,
+            implementation=cfg.attention_impl,
+        )
+        out_BxTxE = jnp.einsum("btnh,nhe->bte", out_BxTxNxH,
+                               self.o_kernel[...].astype(cfg.compute_dtype))
+        if cfg.o_bias:
+            out_BxTxE = out_BxTxE + self.o_bias[...].astype(cfg.compute_dtype)
+        return out_BxTxE, new_cache

@@ -1,0 +1,266 @@
+"""Architecture of a decoder-only transformer, and its translation to and from HF `config.json`.
+
+One frozen dataclass covers the Llama 3.x, Qwen2/2.5, Qwen3 and Mistral families; they differ
+only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings). Runtime choices
+that are not part of the checkpoint (parameter dtype, compute dtype, layer scan, attention
+kernel) live here too so one object builds a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["xla", "cudnn"]
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose architecture jaxrl cannot represent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder architecture plus the runtime policy (dtypes, scan, attention kernel)."""
+
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    # Runtime policy, not stored in the checkpoint.
+    param_dtype: DTypeName = "float32"
+    dtype: DTypeName = "float32"
+    scan_layers: bool = False
+    attention_impl: AttentionImpl = "xla"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count, embeddings included (tied embeddings counted once)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_bias:
+            attn += e
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.num_layers * layer + self.vocab_size * e + head + e
+
+    # ---------------------------------------------------------------- HF config.json
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], **runtime: Any) -> ModelConfig:
+        """Builds a config from a parsed HF `config.json`; `runtime` sets dtype/scan fields."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if hf.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported (no family we cover uses it)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        attention_bias = bool(hf.get("attention_bias", False))
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = attention_bias
+        sliding_window = None
+        if model_type == "mistral":
+            sliding_window = hf.get("sliding_window")
+        elif hf.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"{model_type} with use_sliding_window=true (per-layer windows) is not supported"
+            )
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=_token_ids(hf.get("eos_token_id")),
+            **runtime,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict that transformers reads back as the same architecture."""
+        if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
+            raise UnsupportedModelError("qwen2 checkpoints always have q/k/v bias and no o bias")
+        if self.model_type in ("llama", "mistral", "qwen3") and self.qkv_bias != self.o_bias:
+            raise UnsupportedModelError(
+                f"{self.model_type} has one attention_bias switch for q/k/v and o; "
+                f"got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
+            )
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise UnsupportedModelError(f"qk_norm={self.qk_norm} cannot be written as {self.model_type}")
+        hf: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.param_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+        }
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters = {"rope_type": "llama3", "rope_theta": self.rope_theta,
+                               **dataclasses.asdict(self.rope_scaling)}
+            hf["rope_scaling"] = dict(rope_parameters)
+        hf["rope_parameters"] = rope_parameters
+        if self.model_type != "qwen2":
+            hf["attention_bias"] = self.qkv_bias
+        if self.model_type == "mistral":
+            hf["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            hf["use_sliding_window"] = False
+            hf["sliding_window"] = None
+        return hf
+
+
+def _token_ids(value: Any) -> int | tuple[int, ...] | None:
+    # Lists are unhashable; the config is a static (hashed) attribute of the model.
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any] | None:
+    # transformers >= 4.56 writes `rope_parameters`; older checkpoints use `rope_scaling`.
+    return hf.get("rope_parameters") or hf.get("rope_scaling")
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = _rope_params(hf) or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10_000.0)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    params = _rope_params(hf)
+    if not params:
+        return None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+        )
+    return RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> jnp.ndarray:
+    """inv_freq_i = theta^(-2i/d), with Llama 3 scaling applied when configured.
+
+    Llama 3 scaling keeps high frequencies (wavelength < L/high_freq_factor), divides low
+    frequencies (wavelength > L/low_freq_factor) by `factor`, and interpolates smoothly
+    in between, where L is the original context length.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, interpolated, scaled)

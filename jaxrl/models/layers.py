@@ -1,0 +1,69 @@
+"""Building blocks: parameters with logical axes, RMSNorm, rotary embeddings, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.sharding import constrain
+
+INIT_STD = 0.02  # transformers' default initializer_range
+
+
+def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter tagged with logical axis names; the sharding rules place it later."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"axes {axes} do not match parameter shape {value.shape}")
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def normal(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> jax.Array:
+    return INIT_STD * jax.random.normal(rngs.params(), shape, config.weight_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 (as transformers does)."""
+
+    def __init__(self, size: int, axis: str, eps: float, config: ModelConfig):
+        self.scale = param(jnp.ones((size,), config.weight_dtype), (axis,))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array,
+               inv_freq_H2: jax.Array) -> jax.Array:
+    """Rotary embedding in the half-split convention of transformers' `rotate_half`.
+
+    With angle_{t,i} = position_t * inv_freq_i and x = [x1, x2] split in halves:
+    y = [x1 cos - x2 sin, x2 cos + x1 sin].
+    """
+    angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq_H2
+    cos = jnp.cos(angles_BxTxH2)[:, :, None, :]
+    sin = jnp.sin(angles_BxTxH2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return y.astype(x_BxTxNxH.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        e, f = config.hidden_size, config.intermediate_size
+        self.gate = param(normal(rngs, (e, f), config), ("embed", "mlp"))
+        self.up = param(normal(rngs, (e, f), config), ("embed", "mlp"))
+        self.down = param(normal(rngs, (f, e), config), ("mlp", "embed"))
+        self.dtype = config.compute_dtype
+
+    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate_BxTxF = jnp.einsum("bte,ef->btf", x_BxTxE, self.gate[...].astype(dt))
+        up_BxTxF = jnp.einsum("bte,ef->btf", x_BxTxE, self.up[...].astype(dt))
+        h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fe->bte", h_BxTxF, self.down[...].astype(dt))

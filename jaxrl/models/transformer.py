@@ -1,0 +1,171 @@
+"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3 / Mistral) as a Flax NNX module.
+
+    x = embed[input_ids]
+    for each layer:  x += attn(rmsnorm(x));  x += mlp(rmsnorm(x))
+    logits = rmsnorm(x) @ (embed^T if tied else lm_head)
+
+Two entry points share all code: `__call__` (training/scoring: the given tokens only) and
+`extend` (sampling: append tokens to a preallocated KV cache and attend over it; prefill is
+`extend` of the prompt on an empty cache, decoding is `extend` of one token). With
+`scan_layers` the layers are stacked on a leading `layers` axis and run by `nnx.scan`, so
+compile time does not grow with depth. Logits are always float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.attention import Attention, attention_mask, cache_attention_mask
+from jaxrl.models.config import ModelConfig, rope_inverse_frequencies
+from jaxrl.models.layers import MLP, RMSNorm, normal, param
+from jaxrl.sharding import constrain
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", "head_dim")
+
+
+class KVCache(NamedTuple):
+    """Keys/values of every layer, preallocated for `max_len` slots.
+
+    k, v: [layers, batch, slots, kv_heads, head_dim]. `valid_BxS` marks slots holding real
+    tokens (left padding is invalid). `end` is the number of slots written so far; it is the
+    same for every row because prompts are left-padded to one length.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid_BxS: jax.Array
+    end: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch_size: int, max_len: int,
+             dtype: jnp.dtype | None = None) -> KVCache:
+        shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+        dtype = config.compute_dtype if dtype is None else dtype
+        zeros = constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+        return cls(zeros, zeros, jnp.zeros((batch_size, max_len), bool), jnp.zeros((), jnp.int32))
+
+
+def default_positions(attention_mask_BxT: jax.Array) -> jax.Array:
+    """Position of each token counting only real tokens (left padding gets position 0)."""
+    return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention then SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, "embed", config.rms_norm_eps, config)
+        self.attn = Attention(config, rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, "embed", config.rms_norm_eps, config)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS, cache=None):
+        h_BxTxE, cache = self.attn(self.attn_norm(x_BxTxE), positions_BxT, inv_freq_H2,
+                                   mask_BxTxS, cache)
+        x_BxTxE = constrain(x_BxTxE + h_BxTxE, ("batch", "seq", "act_embed"))
+        x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
+        return constrain(x_BxTxE, ("batch", "seq", "act_embed")), cache
+
+
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(config, rngs)
+
+    return make(rngs)
+
+
+class Transformer(nnx.Module):
+    """The policy/reference model: token ids in, float32 logits out."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = param(normal(rngs, (config.vocab_size, config.hidden_size), config),
+                           ("vocab", "embed"))
+        if config.scan_layers:
+            self.layers = _stacked_blocks(config, rngs)
+        else:
+            self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, "embed", config.rms_norm_eps, config)
+        if not config.tie_word_embeddings:
+            self.lm_head = param(normal(rngs, (config.hidden_size, config.vocab_size), config),
+                                 ("embed", "vocab"))
+
+    def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
+                 attention_mask_BxT: jax.Array | None = None) -> jax.Array:
+        """Logits [B, T, V] of a (possibly left-padded) batch; padded rows are garbage."""
+        if attention_mask_BxT is None:
+            attention_mask_BxT = jnp.ones(input_ids_BxT.shape, bool)
+        if positions_BxT is None:
+            positions_BxT = default_positions(attention_mask_BxT)
+        return self.forward_embeddings(self.embed_tokens(input_ids_BxT), positions_BxT,
+                                       attention_mask_BxT)
+
+    def embed_tokens(self, input_ids_BxT: jax.Array) -> jax.Array:
+        x_BxTxE = self.embed[...][input_ids_BxT].astype(self.config.compute_dtype)
+        return constrain(x_BxTxE, ("batch", "seq", "act_embed"))
+
+    def forward_embeddings(self, x_BxTxE: jax.Array, positions_BxT: jax.Array,
+                           attention_mask_BxT: jax.Array) -> jax.Array:
+        """Logits from input embeddings (soft prompts, or gradients w.r.t. the inputs)."""
+        mask_BxTxS = attention_mask(attention_mask_BxT, self.config.sliding_window)
+        x_BxTxE, _ = self._layers(x_BxTxE, positions_BxT, mask_BxTxS, None)
+        return self._logits(x_BxTxE)
+
+    def extend(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array, cache: KVCache,
+               attention_mask_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Appends T tokens at cache slot `cache.end`; returns their logits and the new cache."""
+        num_new = input_ids_BxT.shape[1]
+        if attention_mask_BxT is None:
+            attention_mask_BxT = jnp.ones(input_ids_BxT.shape, bool)
+        valid_BxS = jax.lax.dynamic_update_slice(
+            cache.valid_BxS, attention_mask_BxT.astype(bool), (0, cache.end))
+        mask_BxTxS = cache_attention_mask(valid_BxS, cache.end, num_new, self.config.sliding_window)
+        x_BxTxE, (k, v) = self._layers(self.embed_tokens(input_ids_BxT), positions_BxT,
+                                       mask_BxTxS, (cache.k, cache.v, cache.end))
+        new_cache = KVCache(constrain(k, CACHE_AXES), constrain(v, CACHE_AXES), valid_BxS,
+                            cache.end + num_new)
+        return self._logits(x_BxTxE), new_cache
+
+    def _layers(self, x_BxTxE, positions_BxT, mask_BxTxS, cache):
+        inv_freq_H2 = rope_inverse_frequencies(self.config)
+        if not self.config.scan_layers:
+            kv = None if cache is None else cache[:2]
+            for i, block in enumerate(self.layers):
+                layer_cache = None if kv is None else (*kv, i, cache[2])
+                x_BxTxE, kv = block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS, layer_cache)
+            return x_BxTxE, kv
+
+        if cache is None:
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def run(block, x):
+                return block(x, positions_BxT, inv_freq_H2, mask_BxTxS)[0]
+
+            return run(self.layers, x_BxTxE), None
+
+        @nnx.scan(in_axes=(0, 0, nnx.Carry), out_axes=nnx.Carry)
+        def run_cached(block, layer, carry):
+            x, k, v = carry
+            x, (k, v) = block(x, positions_BxT, inv_freq_H2, mask_BxTxS, (k, v, layer, cache[2]))
+            return x, k, v
+
+        x_BxTxE, k, v = run_cached(self.layers, jnp.arange(self.config.num_layers),
+                                   (x_BxTxE, cache[0], cache[1]))
+        return x_BxTxE, (k, v)
+
+    def _logits(self, x_BxTxE: jax.Array) -> jax.Array:
+        x_BxTxE = self.final_norm(x_BxTxE)
+        dt = self.config.compute_dtype
+        if self.config.tie_word_embeddings:
+            logits = jnp.einsum("bte,ve->btv", x_BxTxE, self.embed[...].astype(dt),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("bte,ev->btv", x_BxTxE, self.lm_head[...].astype(dt),
+                                preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "act_vocab"))

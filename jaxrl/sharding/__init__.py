@@ -1,0 +1,17 @@
+"""Meshes, logical-axis rules and sharded state creation."""
+
+from jaxrl.sharding.create import create_sharded, reshard
+from jaxrl.sharding.layout import Layout, available_presets, load_layout, make_mesh
+from jaxrl.sharding.rules import (
+    LOGICAL_AXES,
+    MESH_AXES,
+    AxisRules,
+    constrain,
+    state_shardings,
+    use_rules,
+)
+
+__all__ = [
+    "LOGICAL_AXES", "MESH_AXES", "AxisRules", "Layout", "available_presets", "constrain",
+    "create_sharded", "load_layout", "make_mesh", "reshard", "state_shardings", "use_rules",
+]
