@@ -1,0 +1,72 @@
+"""Typed configs: YAML + dotted overrides onto frozen dataclasses, errors that name the key."""
+
+import dataclasses
+from typing import Literal
+
+import pytest
+
+from jaxrl.config import ConfigError, ModelSection, load_config, to_yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    size: int = 8
+    mode: Literal["fast", "exact"] = "fast"
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"section.size must be >= 1, got {self.size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    section: Section = dataclasses.field(default_factory=Section)
+
+
+def test_yaml_then_overrides_later_wins(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  dtype: bfloat16\nsection:\n  size: 4\n")
+    cfg = load_config(Schema, path, ["section.size=16", "section.mode=exact"])
+    assert cfg == Schema(model=ModelSection(dtype="bfloat16"), section=Section(16, "exact"))
+    assert dataclasses.is_dataclass(cfg) and isinstance(cfg.section, Section)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.section.size = 3
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(Schema, None, ["model.path=/m", "section.mode=exact"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(Schema, path) == cfg
+
+
+@pytest.mark.parametrize("override, words", [
+    ("modle.dtype=float32", ["modle", "did you mean", "model"]),
+    ("section.sise=3", ["section.sise", "did you mean", "size"]),
+    ("section.size=abc", ["section.size", "abc", "integer"]),
+    ("section.mode=slow", ["section.mode", "slow", "fast", "exact"]),
+    ("model.dtype=float64", ["model.dtype", "float64", "bfloat16"]),
+    ("section=3", ["section", "int"]),
+    ("section.size=0", ["section.size", ">= 1", "0"]),
+    ("size", ["size", "dotted.key=value"]),
+])
+def test_bad_input_names_the_key(override, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(Schema, None, [override])
+    message = str(info.value).lower()
+    for word in words:
+        assert word.lower() in message, (word, message)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Schema, tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config(Schema, broken)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("section:\n  sizes: 3\n")
+    with pytest.raises(ConfigError, match="section.sizes.*size"):
+        load_config(Schema, unknown)
