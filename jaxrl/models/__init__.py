@@ -6,9 +6,11 @@ from jaxrl.models.config import (
     RopeScaling,
     UnsupportedModelError,
 )
+from jaxrl.models.hf_io import CheckpointError, from_pretrained, save_pretrained
 from jaxrl.models.transformer import KVCache, Transformer, default_positions
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "KVCache", "ModelConfig", "RopeScaling", "Transformer",
-    "UnsupportedModelError", "default_positions",
+    "SUPPORTED_MODEL_TYPES", "CheckpointError", "KVCache", "ModelConfig", "RopeScaling",
+    "Transformer", "UnsupportedModelError", "default_positions", "from_pretrained",
+    "save_pretrained",
 ]

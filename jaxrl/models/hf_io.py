@@ -1,0 +1,265 @@
+"""Load and save HF checkpoints (`config.json` + safetensors) as sharded `Transformer`s.
+
+Loading never materialises the model on one device: the model is built abstractly
+(`nnx.eval_shape`), each parameter's sharding comes from the logical-axis rules, and each
+array is created by `jax.make_array_from_callback`, whose callback lazily reads from the
+memory-mapped safetensors file only the slice that one device holds, converting it from the
+HF layout (`hf_names`). With `scan_layers` a parameter stacks all layers, so a shard reads
+its slice from each of its layers' tensors.
+
+Saving is the inverse, one parameter at a time on the host, in the model's parameter dtype;
+only process 0 writes. Shards are planned from the shapes before any gather, so at most one
+shard's tensors are held on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl.models import hf_names
+from jaxrl.models.config import AttentionImpl, ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.sharding.rules import AxisRules, state_shardings
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = ("float32", "bfloat16", "float16")
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the architecture its config.json describes."""
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    dtype: str | jnp.dtype | None = None,
+    compute_dtype: str | jnp.dtype | None = None,
+    mesh: Mesh | None = None,
+    rules: AxisRules | None = None,
+    scan_layers: bool = False,
+    attention_impl: AttentionImpl = "xla",
+) -> Transformer:
+    """Loads an HF model directory, each tensor straight onto its sharding under `rules`.
+
+    `dtype` (parameters) defaults to the checkpoint's `torch_dtype`, `compute_dtype` to
+    `dtype`. Without a mesh the model lives unsharded on `jax.devices()[0]`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"no {CONFIG_FILE} in {str(path)!r}: expected an HF model directory "
+            f"({CONFIG_FILE} plus {SINGLE_FILE} or {INDEX_FILE})")
+    if mesh is not None and rules is None:
+        raise ValueError("from_pretrained(mesh=...) also needs rules= to place parameters, "
+                         "e.g. rules=load_layout('fsdp').train_rules")
+    hf = json.loads(config_file.read_text())
+    param_dtype = _dtype_name(dtype if dtype is not None
+                              else hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    config = ModelConfig.from_hf(
+        hf, param_dtype=param_dtype,
+        dtype=param_dtype if compute_dtype is None else _dtype_name(compute_dtype),
+        scan_layers=scan_layers, attention_impl=attention_impl)
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda v: v.replace(device), abstract,
+                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+    else:
+        shardings = state_shardings(abstract, mesh, rules)
+
+    with ExitStack() as stack:
+        checkpoint = _Checkpoint(path, stack)
+        variables = nnx.to_flat_state(abstract)
+        names = [hf_names.param_name(p, config.num_layers) for p, _ in variables]
+        # Check every tensor before reading any, so a bad checkpoint fails fast.
+        for name, (_, variable) in zip(names, variables, strict=True):
+            shape = variable.shape[1:] if name.stacked else variable.shape
+            for hf_name in name.hf_names():
+                checkpoint.check(hf_name, hf_names.hf_shape(name.kind, shape))
+        loaded = [
+            (p, variable.replace(_load(checkpoint, name, variable.shape, sharding.get_value(),
+                                       config)))
+            for name, (p, variable), (_, sharding) in zip(
+                names, variables, nnx.to_flat_state(shardings), strict=True)
+        ]
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes `model` as an HF directory that `transformers` loads, in its parameter dtype.
+
+    One `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus
+    `model.safetensors.index.json` when the tensors exceed `max_shard_bytes`. Weight files
+    of an earlier save in `path` are removed first so no stale shard is left behind.
+    """
+    config = model.config
+    path = Path(path)
+    writer = jax.process_index() == 0
+    dtype = config.weight_dtype
+    variables = nnx.to_flat_state(nnx.state(model, nnx.Param))
+
+    # Plan the shards from shapes alone: tensors in variable order, a new shard whenever the
+    # next tensor would overflow the current one.
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    total_bytes = 0
+    for p, variable in variables:
+        name = hf_names.param_name(p, config.num_layers)
+        shape = variable.shape[1:] if name.stacked else variable.shape
+        nbytes = math.prod(shape) * dtype.itemsize
+        for hf_name in name.hf_names():
+            if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+                shards.append([])
+                shard_bytes = 0
+            shards[-1].append(hf_name)
+            shard_bytes += nbytes
+            total_bytes += nbytes
+    if len(shards) == 1:
+        files = [SINGLE_FILE]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in path.iterdir():
+            if _WEIGHT_FILE.fullmatch(old.name):
+                old.unlink()
+        _write_json(path / CONFIG_FILE, config.to_hf())
+        generation = {k: v for k, v in config.to_hf().items()
+                      if k in ("bos_token_id", "eos_token_id") and v is not None}
+        if generation:
+            _write_json(path / "generation_config.json", generation)
+
+    pending: dict[str, np.ndarray] = {}
+    done = 0
+    for p, variable in variables:
+        name = hf_names.param_name(p, config.num_layers)
+        x = _to_host(variable.get_value()).astype(dtype)
+        per_layer = list(x) if name.stacked else [x]
+        for hf_name, array in zip(name.hf_names(), per_layer, strict=True):
+            pending[hf_name] = np.ascontiguousarray(hf_names.to_hf(name.kind, array))
+        while done < len(shards) and all(n in pending for n in shards[done]):
+            tensors = {n: pending.pop(n) for n in shards[done]}
+            if writer:
+                save_file(tensors, path / files[done], metadata={"format": "pt"})
+            done += 1
+    if writer and len(shards) > 1:
+        weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
+        _write_json(path / INDEX_FILE, {"metadata": {"total_size": total_bytes},
+                                        "weight_map": weight_map})
+
+
+# ------------------------------------------------------------------ loading helpers
+
+
+class _Checkpoint:
+    """The safetensors files of a directory, opened lazily (memory-mapped) once each."""
+
+    def __init__(self, path: Path, stack: ExitStack):
+        index = path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            self.files = sorted(set(weight_map.values()))
+        elif (path / SINGLE_FILE).is_file():
+            self.files = [SINGLE_FILE]
+        else:
+            found = sorted(p.name for p in path.iterdir())
+            raise FileNotFoundError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in {str(path)!r} (found: {', '.join(found)}); "
+                "only safetensors checkpoints are supported")
+        self.path = path
+        self.handles: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        for file in self.files:
+            if not (path / file).is_file():
+                raise FileNotFoundError(f"{INDEX_FILE} lists {file!r}, which is missing in {str(path)!r}")
+            handle = stack.enter_context(safe_open(path / file, framework="numpy"))
+            self.handles[file] = handle
+            for key in handle.keys():
+                self.file_of.setdefault(key, file)
+
+    def check(self, name: str, expected: tuple[int, ...]) -> None:
+        if name not in self.file_of:
+            raise CheckpointError(
+                f"tensor {name!r} is missing from the checkpoint {str(self.path)!r} "
+                f"(searched: {', '.join(self.files)})")
+        found = tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
+        if found != expected:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.file_of[name]} has shape {found}, but config.json "
+                f"implies shape {expected}")
+
+    def read(self, name: str, index: hf_names.Index) -> np.ndarray:
+        return self.handles[self.file_of[name]].get_slice(name)[index]
+
+
+def _load(checkpoint: _Checkpoint, name: hf_names.ParamName, shape: tuple[int, ...],
+          sharding: jax.sharding.Sharding, config: ModelConfig) -> jax.Array:
+    """One parameter created on `sharding`, each device's slice read from disk."""
+    dtype = config.weight_dtype
+    hf = name.hf_names()
+    cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def layer_slice(hf_name: str, index: hf_names.Index) -> np.ndarray:
+        return hf_names.to_ours(name.kind, functools.partial(checkpoint.read, hf_name), index,
+                                config.head_dim)
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        key = tuple((s.start, s.stop) for s in index)
+        # Replicated shards ask for the same slice once per device: read it once.
+        if key not in cache:
+            if name.stacked:
+                out = np.stack([layer_slice(hf[i], index[1:]) for i in range(len(hf))[index[0]]])
+            else:
+                out = layer_slice(hf[0], index)
+            cache[key] = np.ascontiguousarray(out.astype(dtype))
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, callback)
+
+
+def _dtype_name(dtype: str | jnp.dtype) -> str:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported parameter dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    return name
+
+
+# ------------------------------------------------------------------ saving helpers
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole of a (possibly sharded, possibly multi-host) array as a numpy array."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def _write_json(file: Path, obj: dict[str, Any]) -> None:
+    file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
