@@ -33,6 +33,10 @@ from jaxrl.sharding.rules import MESH_AXES, AxisRules
 PRESET_DIR_ENV = "JAXRL_SHARDING_DIR"
 
 
+class LayoutError(ValueError):
+    """A layout that is malformed or does not fit the devices."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
     data: int = 1
@@ -74,11 +78,11 @@ class Layout:
         sizes = dataclasses.asdict(self.mesh)
         for axis, size in sizes.items():
             if size == 0 or size < -1:
-                raise ValueError(f"layout {self.name!r}: mesh.{axis} must be -1 or >= 1, got {size}")
+                raise LayoutError(f"layout {self.name!r}: mesh.{axis} must be -1 or >= 1, got {size}")
         if list(sizes.values()).count(-1) > 1:
-            raise ValueError(f"layout {self.name!r}: at most one mesh axis may be -1, got {sizes}")
+            raise LayoutError(f"layout {self.name!r}: at most one mesh axis may be -1, got {sizes}")
         if self.dcn_data < 1:
-            raise ValueError(f"layout {self.name!r}: dcn.data must be >= 1, got {self.dcn_data}")
+            raise LayoutError(f"layout {self.name!r}: dcn.data must be >= 1, got {self.dcn_data}")
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
         """Global mesh shape for `num_devices` (the data axis includes the dcn factor)."""
@@ -87,12 +91,12 @@ class Layout:
         shown = ", ".join(f"{a}={s}" for a, s in sizes.items()) + f", dcn data={self.dcn_data}"
         if -1 in sizes.values():
             if num_devices % fixed:
-                raise ValueError(
+                raise LayoutError(
                     f"layout {self.name!r} ({shown}) needs a multiple of {fixed} devices, "
                     f"but {num_devices} are available")
             sizes = {a: num_devices // fixed if s == -1 else s for a, s in sizes.items()}
         elif fixed != num_devices:
-            raise ValueError(
+            raise LayoutError(
                 f"layout {self.name!r} ({shown}) needs {fixed} devices (the product of its "
                 f"axes), but {num_devices} are available")
         sizes["data"] *= self.dcn_data
@@ -127,13 +131,19 @@ def load_layout(name_or_path: str | os.PathLike) -> Layout:
         spec = OmegaConf.to_object(
             OmegaConf.merge(OmegaConf.structured(LayoutSpec), OmegaConf.load(path)))
     except OmegaConfBaseException as e:
-        raise ValueError(f"invalid sharding layout {str(path)!r}: {e}") from None
+        raise LayoutError(f"invalid sharding layout {str(path)!r}: {e}") from None
+    rule_sets = {}
+    for which in ("train", "rollout"):
+        try:
+            rule_sets[which] = AxisRules.from_mapping(getattr(spec.rules, which))
+        except ValueError as e:
+            raise LayoutError(f"invalid sharding layout {str(path)!r}: rules.{which}: {e}") from None
     return Layout(
         name=path.stem,
         mesh=spec.mesh,
         dcn_data=spec.dcn.data,
-        train_rules=AxisRules.from_mapping(spec.rules.train),
-        rollout_rules=AxisRules.from_mapping(spec.rules.rollout),
+        train_rules=rule_sets["train"],
+        rollout_rules=rule_sets["rollout"],
     )
 
 
@@ -149,6 +159,12 @@ def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Me
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     sizes = tuple(shape[a] for a in MESH_AXES)
     if layout.dcn_data > 1:
+        if not hasattr(devices[0], "slice_index"):
+            # Only TPU multislice devices carry a slice index; elsewhere there is one slice.
+            raise LayoutError(
+                f"layout {layout.name!r} asks for dcn.data={layout.dcn_data} slices, but the "
+                f"{devices[0].platform} devices report no slices (no slice_index); set dcn.data "
+                f"to 1 and span hosts with mesh.data instead")
         ici = (shape["data"] // layout.dcn_data, shape["fsdp"], shape["tensor"])
         grid = mesh_utils.create_hybrid_device_mesh(ici, (layout.dcn_data, 1, 1), devices)
         return Mesh(grid, MESH_AXES, axis_types=axis_types)

@@ -60,7 +60,8 @@ class AxisRules:
         for logical, mesh_axes in mapping.items():
             if mesh_axes is None:
                 mesh_axes = ()
-            elif isinstance(mesh_axes, str):
+            elif not isinstance(mesh_axes, (list, tuple)):
+                # A single name; anything else but a string fails validation by name.
                 mesh_axes = (mesh_axes,)
             items.append((logical, tuple(mesh_axes)))
         return cls(tuple(items))
@@ -68,6 +69,10 @@ class AxisRules:
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         if logical is None:
             return ()
+        if logical not in LOGICAL_AXES:
+            # A typo in model code would otherwise silently replicate the array.
+            raise ValueError(f"unknown logical axis {logical!r}; expected one of: "
+                             f"{', '.join(LOGICAL_AXES)}")
         for name, mesh_axes in self.rules:
             if name == logical:
                 return mesh_axes
