@@ -1,0 +1,74 @@
+"""The `jaxrl` command: `jaxrl COMMAND [CONFIG.yaml] [dotted.key=value ...]`.
+
+Thin by design: parse, load the typed config, call the library. A config error (unknown key,
+wrong type, bad choice) prints the key and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+
+from jaxrl.config import ConfigError, load_config
+from jaxrl.models.config import UnsupportedModelError
+from jaxrl.models.hf_io import CheckpointError
+from jaxrl.sharding.layout import LayoutError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _check(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.check import CheckConfig, run_check
+
+    cfg = load_config(CheckConfig, args.config, args.overrides)
+    summary = run_check(cfg, console)
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def _generate(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.generate import GenerateConfig, run_generate
+
+    run_generate(load_config(GenerateConfig, args.config, args.overrides), console)
+    return 0
+
+
+COMMANDS = {
+    "check": (_check, "build a model on the device mesh, print its layout, run a sharded forward"),
+    "generate": (_generate, "sample completions from a model directory for a few prompts"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("config", nargs="?", help="experiment YAML (optional for check)")
+        p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # A first positional with '=' is an override, not a config path.
+    if args.config is not None and "=" in args.config:
+        args.overrides = [args.config, *args.overrides]
+        args.config = None
+    # Logs and CI capture stderr: do not fold the layout table to 80 columns there.
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    try:
+        return COMMANDS[args.command][0](args, console)
+    except ConfigError as e:
+        console.print(f"[bold red]config error[/]: {e}")
+        return EXIT_CONFIG_ERROR
+    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError) as e:
+        console.print(f"[bold red]error[/]: {e}")
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

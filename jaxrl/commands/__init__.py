@@ -1,0 +1,1 @@
+"""What each `jaxrl` subcommand does, one module per command; `jaxrl/cli.py` only dispatches."""
