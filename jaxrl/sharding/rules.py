@@ -121,7 +121,11 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, AxisRules] | None] = contextvars.Con
 
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
-    """Within this context (at trace time) `constrain` pins activations to `rules` on `mesh`."""
+    """Within this context `constrain` pins activations to `rules` on `mesh`.
+
+    It acts at trace time: enter it *inside* the jitted function. A function traced outside
+    the context and called inside it reuses its cached trace, without constraints.
+    """
     token = _ACTIVE.set((mesh, rules))
     try:
         yield
