@@ -15,6 +15,7 @@ from rich.console import Console
 from jaxrl.config import ConfigError, load_config
 from jaxrl.models.config import UnsupportedModelError
 from jaxrl.models.hf_io import CheckpointError
+from jaxrl.runtime import configure_xla
 from jaxrl.sharding.layout import LayoutError
 
 EXIT_CONFIG_ERROR = 2
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_xla()
     args = build_parser().parse_args(argv)
     # A first positional with '=' is an override, not a config path.
     if args.config is not None and "=" in args.config:

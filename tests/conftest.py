@@ -7,6 +7,10 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxrl.runtime import configure_xla  # noqa: E402
+
+configure_xla()  # as the jaxrl command does
+
 import pytest  # noqa: E402
 
 from jaxrl.models.config import tiny_config as make_tiny_config  # noqa: E402

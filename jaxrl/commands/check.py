@@ -88,7 +88,7 @@ def run_check(cfg: CheckConfig, console: Console) -> dict[str, Any]:
     @nnx.jit
     def forward(model, ids_BxT, mask_BxT):
         with use_rules(mesh, rules):
-            return model(ids_BxT, attention_mask_BxT=mask_BxT)
+            return model(ids_BxT, attention_mask=mask_BxT)
 
     start = time.perf_counter()
     logits = jax.block_until_ready(forward(model, ids_BxT, mask_BxT))
@@ -156,5 +156,5 @@ def _unsharded_logits(model: Transformer, ids_BxT: np.ndarray, mask_BxT: np.ndar
     graphdef, state = nnx.split(model)
     device = jax.devices()[0]
     local = nnx.merge(graphdef, jax.device_put(state, device))
-    return np.asarray(nnx.jit(lambda m, i, a: m(i, attention_mask_BxT=a))(
+    return np.asarray(nnx.jit(lambda m, i, a: m(i, attention_mask=a))(
         local, jax.device_put(ids_BxT, device), jax.device_put(mask_BxT, device)))

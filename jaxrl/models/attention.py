@@ -3,7 +3,7 @@
 The same module serves the training forward (attend within the given tokens) and the
 sampler's cached path (write this call's keys/values into a preallocated cache at slot
 `end`, then attend over the whole cache). Masks are built once per forward by
-`attention_mask` / `cache_attention_mask` and shared by every layer.
+`causal_mask` / `cache_causal_mask` and shared by every layer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
 from jaxrl.sharding import constrain
 
 
-def attention_mask(valid_BxT: jax.Array, sliding_window: int | None) -> jax.Array:
+def causal_mask(valid_BxT: jax.Array, sliding_window: int | None) -> jax.Array:
     """mask[b, t, s] = s <= t and valid[b, s] (and t - s < window), plus the diagonal.
 
     Keeping the diagonal lets padding queries attend to themselves, so no softmax row is
@@ -27,7 +27,7 @@ def attention_mask(valid_BxT: jax.Array, sliding_window: int | None) -> jax.Arra
     return _mask(valid_BxT, t, t, sliding_window)
 
 
-def cache_attention_mask(cache_valid_BxS: jax.Array, end: jax.Array, num_new: int,
+def cache_causal_mask(cache_valid_BxS: jax.Array, end: jax.Array, num_new: int,
                          sliding_window: int | None) -> jax.Array:
     """Mask of `num_new` queries written at cache slots [end, end + num_new) over all slots."""
     return _mask(cache_valid_BxS, end + jnp.arange(num_new),

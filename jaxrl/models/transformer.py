@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import Attention, attention_mask, cache_attention_mask
+from jaxrl.models.attention import Attention, cache_causal_mask, causal_mask
 from jaxrl.models.config import ModelConfig, rope_inverse_frequencies
 from jaxrl.models.layers import MLP, RMSNorm, normal, param
 from jaxrl.sharding import constrain
@@ -97,15 +97,18 @@ class Transformer(nnx.Module):
             self.lm_head = param(normal(rngs, (config.hidden_size, config.vocab_size), config),
                                  ("embed", "vocab"))
 
-    def __call__(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-                 attention_mask_BxT: jax.Array | None = None) -> jax.Array:
-        """Logits [B, T, V] of a (possibly left-padded) batch; padded rows are garbage."""
-        if attention_mask_BxT is None:
-            attention_mask_BxT = jnp.ones(input_ids_BxT.shape, bool)
-        if positions_BxT is None:
-            positions_BxT = default_positions(attention_mask_BxT)
-        return self.forward_embeddings(self.embed_tokens(input_ids_BxT), positions_BxT,
-                                       attention_mask_BxT)
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        """Logits [B, T, V] of token ids [B, T], possibly left-padded (mask 0 = padding).
+
+        `positions` default to counting the real tokens of each row; logits at padded
+        positions are garbage for the caller to mask.
+        """
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, bool)
+        if positions is None:
+            positions = default_positions(attention_mask)
+        return self.forward_embeddings(self.embed_tokens(input_ids), positions, attention_mask)
 
     def embed_tokens(self, input_ids_BxT: jax.Array) -> jax.Array:
         x_BxTxE = self.embed[...][input_ids_BxT].astype(self.config.compute_dtype)
@@ -114,23 +117,30 @@ class Transformer(nnx.Module):
     def forward_embeddings(self, x_BxTxE: jax.Array, positions_BxT: jax.Array,
                            attention_mask_BxT: jax.Array) -> jax.Array:
         """Logits from input embeddings (soft prompts, or gradients w.r.t. the inputs)."""
-        mask_BxTxS = attention_mask(attention_mask_BxT, self.config.sliding_window)
+        mask_BxTxS = causal_mask(attention_mask_BxT, self.config.sliding_window)
         x_BxTxE, _ = self._layers(x_BxTxE, positions_BxT, mask_BxTxS, None)
         return self._logits(x_BxTxE)
 
-    def extend(self, input_ids_BxT: jax.Array, positions_BxT: jax.Array, cache: KVCache,
-               attention_mask_BxT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        """Appends T tokens at cache slot `cache.end`; returns their logits and the new cache."""
-        num_new = input_ids_BxT.shape[1]
-        if attention_mask_BxT is None:
-            attention_mask_BxT = jnp.ones(input_ids_BxT.shape, bool)
+    def extend(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
+               attention_mask: jax.Array | None = None, *,
+               last_only: bool = False) -> tuple[jax.Array, KVCache]:
+        """Appends T tokens at cache slot `cache.end`; returns their logits and the new cache.
+
+        With `last_only` the logits are those of the last column only ([B, 1, V]): a prefill
+        needs no more, and skips the vocabulary projection of every other prompt token.
+        """
+        num_new = input_ids.shape[1]
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, bool)
         valid_BxS = jax.lax.dynamic_update_slice(
-            cache.valid_BxS, attention_mask_BxT.astype(bool), (0, cache.end))
-        mask_BxTxS = cache_attention_mask(valid_BxS, cache.end, num_new, self.config.sliding_window)
-        x_BxTxE, (k, v) = self._layers(self.embed_tokens(input_ids_BxT), positions_BxT,
-                                       mask_BxTxS, (cache.k, cache.v, cache.end))
+            cache.valid_BxS, attention_mask.astype(bool), (0, cache.end))
+        mask_BxTxS = cache_causal_mask(valid_BxS, cache.end, num_new, self.config.sliding_window)
+        x_BxTxE, (k, v) = self._layers(self.embed_tokens(input_ids), positions, mask_BxTxS,
+                                       (cache.k, cache.v, cache.end))
         new_cache = KVCache(constrain(k, CACHE_AXES), constrain(v, CACHE_AXES), valid_BxS,
                             cache.end + num_new)
+        if last_only:
+            x_BxTxE = x_BxTxE[:, -1:]
         return self._logits(x_BxTxE), new_cache
 
     def _layers(self, x_BxTxE, positions_BxT, mask_BxTxS, cache):

@@ -58,7 +58,7 @@ def _model(config) -> Transformer:
 
 
 def _forward(graphdef):
-    return jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, attention_mask_BxT=mask))
+    return jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, attention_mask=mask))
 
 
 # ------------------------------------------------------------------ sharded ≡ unsharded
@@ -66,7 +66,7 @@ def _forward(graphdef):
 def _loss(graphdef):
     """(mean -log p(target) over real tokens, logits) as a function of the params."""
     def loss(state, ids, mask, targets):
-        logits = nnx.merge(graphdef, state)(ids, attention_mask_BxT=mask)
+        logits = nnx.merge(graphdef, state)(ids, attention_mask=mask)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
         return -jnp.sum(logp * mask) / jnp.sum(mask), logits
     return loss
@@ -191,6 +191,21 @@ def test_prefill_in_two_chunks_equals_one_chunk():
         _close(np.asarray(a)[:, valid], np.asarray(b)[:, valid])
 
 
+def test_last_only_prefill_gives_the_last_column_and_the_same_cache():
+    config = make_tiny_config("qwen3")
+    model = _model(config)
+    ids, mask, _ = _batch(config)
+    positions = default_positions(jnp.asarray(mask))
+    extend = nnx.jit(lambda m, i, p, c, a, last: m.extend(i, p, c, a, last_only=last),
+                     static_argnames="last")
+    cache = KVCache.init(config, ids.shape[0], SEQ)
+    every, cache_every = extend(model, ids, positions, cache, mask, False)
+    last, cache_last = extend(model, ids, positions, cache, mask, True)
+    assert last.shape == (ids.shape[0], 1, config.vocab_size)
+    np.testing.assert_array_equal(last[:, 0], every[:, -1])
+    jax.tree.map(np.testing.assert_array_equal, cache_last, cache_every)
+
+
 # ------------------------------------------------------------------ causality and padding
 
 def test_outputs_never_depend_on_later_or_other_rows_inputs():
@@ -260,8 +275,8 @@ def test_scan_layers_matches_unrolled_layers(family):
 def test_jit_matches_eager(family):
     model = _model(make_tiny_config(family))
     ids, mask, _ = _batch(model.config)
-    eager = model(jnp.asarray(ids), attention_mask_BxT=jnp.asarray(mask))
-    jitted = nnx.jit(lambda m, i, a: m(i, attention_mask_BxT=a))(model, ids, mask)
+    eager = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    jitted = nnx.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask)
     assert eager.dtype == jitted.dtype == jnp.float32
     _close(jitted, eager, mask)
 
