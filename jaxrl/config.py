@@ -20,6 +20,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from jaxrl.rollout.sampling import SamplingParams
+
 DType = Literal["float32", "bfloat16", "float16"]
 Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 
@@ -42,6 +44,28 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class ShardingSection:
     layout: str = "fsdp"  # a preset name in sharding/ or a path to a layout YAML
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    num_generations: int = 1  # samples per prompt (the GRPO group)
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # besides the EOS ids
+
+    def __post_init__(self):
+        for name in ("num_generations", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            self.sampling_params()
+        except ValueError as e:
+            raise ValueError(f"rollout.{e}") from None
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 def load_config(schema: type[T], path: str | Path | None = None,

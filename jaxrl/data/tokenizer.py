@@ -1,0 +1,86 @@
+"""Tokenizer glue: load from a model directory, left-pad prompts, decode completions.
+
+Prompts are rendered with the tokenizer's chat template when it has one (a single user
+turn plus the generation prompt) and left-padded, so every prompt ends at the same column
+and the sampler's prefill ends on each prompt's last real token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The HF tokenizer saved in a model directory."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(
+            f"no tokenizer in {str(path)!r}: expected tokenizer.json or tokenizer_config.json "
+            "(save one with tokenizer.save_pretrained)")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> str:
+    if chat_template and tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return text
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *,
+                   chat_template: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(ids_BxP int32, mask_BxP bool), left-padded to the longest prompt."""
+    if not texts:
+        raise ValueError("no prompts given")
+    rendered = [render_prompt(tokenizer, t, chat_template) for t in texts]
+    # A chat template already places BOS and friends; plain text gets the usual specials.
+    add_special = not (chat_template and tokenizer.chat_template)
+    encoded = [tokenizer.encode(t, add_special_tokens=add_special) for t in rendered]
+    for text, ids in zip(texts, encoded, strict=True):
+        if not ids:
+            raise ValueError(f"prompt {text!r} encodes to no tokens")
+    length = max(len(ids) for ids in encoded)
+    ids_BxP = np.full((len(encoded), length), pad_token_id(tokenizer), np.int32)
+    mask_BxP = np.zeros((len(encoded), length), bool)
+    for row, ids in enumerate(encoded):
+        ids_BxP[row, length - len(ids):] = ids
+        mask_BxP[row, length - len(ids):] = True
+    return ids_BxP, mask_BxP
+
+
+def decode_completions(tokenizer: PreTrainedTokenizerBase, ids_BxC: np.ndarray,
+                       mask_BxC: np.ndarray) -> list[str]:
+    """Completion texts (masked tokens dropped, special tokens kept out)."""
+    return [tokenizer.decode([int(t) for t, m in zip(ids, mask, strict=True) if m],
+                             skip_special_tokens=True)
+            for ids, mask in zip(np.asarray(ids_BxC), np.asarray(mask_BxC), strict=True)]
+
+
+def make_char_tokenizer(alphabet: str, *, extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with <pad>=0, <bos>=1, <eos>=2, for tiny demo/test models.
+
+    Every character of `alphabet` is one token; ids follow the specials and `extra_tokens`.
+    Saved with `save_pretrained`, it loads back through `load_tokenizer` like any HF one.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", *extra_tokens]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in dict.fromkeys(alphabet):
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")

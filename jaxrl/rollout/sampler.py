@@ -1,0 +1,139 @@
+"""The KV-cache sampler: prefill left-padded prompts once, then decode in a `lax.while_loop`.
+
+    cache, logits = model.extend(prompts)                 prefill, one pass over B prompts
+    repeat cache and last logits n times                  the GRPO group shares the prefill
+    token_0 ~ logits
+    while t < max_new_tokens and some row is unfinished:  one token per row per step
+        logits, cache = model.extend(token_{t-1});  token_t ~ logits
+
+A row finishes at its first stop token (kept in the completion and its mask); later slots
+hold `pad_token_id` with mask 0. The loop exits as soon as every row has finished, so
+`num_steps` (filled completion columns) is the longest completion and the decode loop ran
+`num_steps - 1` one-token forward passes. Row `b` draws with its own key, derived from its
+prompt's key, so a prompt sampled alone or inside any batch gets the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxrl.models import KVCache, Transformer, default_positions
+from jaxrl.rollout.sampling import SamplingParams, sample_tokens
+from jaxrl.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """What one `generate` call produces."""
+
+    max_new_tokens: int
+    num_generations: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+
+
+@struct.dataclass
+class Rollout:
+    """B = prompts x num_generations rows, prompt-major (row p*n + g is sample g of prompt p).
+
+    logp_BxC is under the distribution sampled from (temperature, top-k, top-p applied);
+    logp_raw_BxC under the model at temperature 1. Both are 0 where the mask is 0.
+    """
+
+    prompt_ids_BxP: jax.Array
+    prompt_mask_BxP: jax.Array
+    completion_ids_BxC: jax.Array
+    completion_mask_BxC: jax.Array
+    logp_BxC: jax.Array
+    logp_raw_BxC: jax.Array
+    num_steps: jax.Array
+
+
+def prompt_keys(key: jax.Array, num_prompts: int) -> jax.Array:
+    """Per-prompt keys from one key, or the given [num_prompts] keys unchanged."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.shape == ():
+        return jax.random.split(key, num_prompts)
+    if key.shape != (num_prompts,):
+        raise ValueError(f"expected one key or {num_prompts} prompt keys, got shape {key.shape}")
+    return key
+
+
+def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
+           key: jax.Array, config: SamplerConfig) -> Rollout:
+    """Samples `num_generations` completions per left-padded prompt (pure; call under jit)."""
+    num_prompts, prompt_len = prompt_ids_BxP.shape
+    n, steps = config.num_generations, config.max_new_tokens
+    prompt_mask_BxP = prompt_mask_BxP.astype(bool)
+
+    # NNX transforms (the layer scan) reject Variables made at another trace level (outside
+    # this jit, or outside the decode loop), so each traced scope uses a copy of the model:
+    # fresh Variables holding the same arrays.
+    graphdef, weights = nnx.split(model)
+
+    cache = KVCache.init(model.config, num_prompts, prompt_len + steps)
+    positions_BxP = default_positions(prompt_mask_BxP)
+    logits_Bx1xV, cache = nnx.merge(graphdef, weights, copy=True).extend(
+        prompt_ids_BxP, positions_BxP, cache, prompt_mask_BxP, last_only=True)
+
+    def repeat(x, axis):
+        return jnp.repeat(x, n, axis=axis)
+
+    cache = KVCache(repeat(cache.k, 1), repeat(cache.v, 1), repeat(cache.valid_BxS, 0), cache.end)
+    logits_BxV = repeat(logits_Bx1xV[:, 0], 0)
+    next_position_B = repeat(positions_BxP[:, -1] + 1, 0)
+    row_keys_B = jax.vmap(lambda k: jax.random.split(k, n))(
+        prompt_keys(key, num_prompts)).reshape(-1)
+    batch = num_prompts * n
+    stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
+
+    def draw(t, logits_BxV, done_B, out):
+        keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_B, t)
+        token_B, logp_B, logp_raw_B = sample_tokens(keys_B, logits_BxV, config.sampling)
+        active_B = ~done_B
+        token_B = jnp.where(active_B, token_B, config.pad_token_id)
+        tokens, mask, logp, logp_raw = out
+        out = (tokens.at[:, t].set(token_B), mask.at[:, t].set(active_B),
+               logp.at[:, t].set(jnp.where(active_B, logp_B, 0.0)),
+               logp_raw.at[:, t].set(jnp.where(active_B, logp_raw_B, 0.0)))
+        return token_B, done_B | jnp.isin(token_B, stop_ids), out
+
+    out = (jnp.full((batch, steps), config.pad_token_id, jnp.int32),
+           jnp.zeros((batch, steps), bool),
+           jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), jnp.float32))
+    token_B, done_B, out = draw(0, logits_BxV, jnp.zeros((batch,), bool), out)
+
+    def cond(state):
+        t, _, _, done_B, _, _ = state
+        return (t < steps) & ~jnp.all(done_B)
+
+    def body(state):
+        t, token_B, cache, done_B, position_B, out = state
+        logits_Bx1xV, cache = nnx.merge(graphdef, weights, copy=True).extend(
+            token_B[:, None], position_B[:, None], cache)
+        token_B, done_B, out = draw(t, logits_Bx1xV[:, 0], done_B, out)
+        return t + 1, token_B, cache, done_B, position_B + 1, out
+
+    state = (jnp.int32(1), token_B, cache, done_B, next_position_B, out)
+    num_steps, _, _, _, _, out = jax.lax.while_loop(cond, body, state)
+    # Every row output is split over the batch axes, also when the prompts alone (fewer rows)
+    # did not divide them and were replicated.
+    tokens, mask, logp, logp_raw, prompt_ids_BxP, prompt_mask_BxP = (
+        constrain(x, ("batch", "seq")) for x in (*out, repeat(prompt_ids_BxP, 0),
+                                                 repeat(prompt_mask_BxP, 0)))
+    return Rollout(
+        prompt_ids_BxP=prompt_ids_BxP, prompt_mask_BxP=prompt_mask_BxP,
+        completion_ids_BxC=tokens, completion_mask_BxC=mask, logp_BxC=logp,
+        logp_raw_BxC=logp_raw, num_steps=num_steps)

@@ -1,0 +1,81 @@
+"""Per-token sampling: temperature, top-k, top-p (nucleus) and greedy, with log-probs.
+
+    processed = mask_topk_topp(logits / temperature)
+    token     ~ softmax(processed)                 (argmax of logits when temperature == 0)
+    logp      = log_softmax(processed)[token]      the distribution actually sampled from
+    logp_raw  = log_softmax(logits)[token]         the model at temperature 1
+
+Top-k keeps the tokens whose logit is at least the k-th largest; top-p keeps the smallest
+prefix of the tokens sorted by probability whose mass reaches p (the most likely token is
+always kept). Filtered tokens get -inf, so they can never be drawn. Greedy decoding samples
+from a point mass: its `logp` is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one token is drawn from the logits. `temperature == 0` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also rejects NaN, which would sample garbage silently
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or null, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or null, got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature, then top-k, then top-p; excluded tokens are set to -inf."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    if params.greedy:
+        return logits_BxV
+    logits_BxV = logits_BxV / params.temperature
+    if params.top_k is not None and params.top_k < logits_BxV.shape[-1]:
+        kth_B1 = jax.lax.top_k(logits_BxV, params.top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV >= kth_B1, logits_BxV, -jnp.inf)
+    if params.top_p is not None and params.top_p < 1:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        # Mass strictly before each sorted token; keep it while that mass is still < p.
+        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+        keep_BxV = before_BxV < params.top_p
+        threshold_B1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
+        logits_BxV = jnp.where(logits_BxV >= threshold_B1, logits_BxV, -jnp.inf)
+    return logits_BxV
+
+
+def sample_tokens(keys_B: jax.Array, logits_BxV: jax.Array,
+                  params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token_B, logp_B, logp_raw_B); row b draws with its own key, so rows are independent."""
+    processed_BxV = process_logits(logits_BxV, params)
+    if params.greedy:
+        token_B = jnp.argmax(processed_BxV, axis=-1)
+    else:
+        token_B = jax.vmap(jax.random.categorical)(keys_B, processed_BxV)
+    token_B = token_B.astype(jnp.int32)
+    logp_raw_B = _take(jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1), token_B)
+    if params.greedy:
+        logp_B = jnp.zeros_like(logp_raw_B)
+    else:
+        logp_B = _take(jax.nn.log_softmax(processed_BxV, axis=-1), token_B)
+    return token_B, logp_B, logp_raw_B
+
+
+def _take(values_BxV: jax.Array, index_B: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(values_BxV, index_B[:, None], axis=-1)[:, 0]

@@ -1,0 +1,60 @@
+"""Tokenizer glue: a saved tokenizer loads back, prompts are left-padded, completions decode."""
+
+import numpy as np
+import pytest
+
+from jaxrl.data.tokenizer import (
+    decode_completions,
+    encode_prompts,
+    load_tokenizer,
+    make_char_tokenizer,
+    pad_token_id,
+)
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
+
+
+@pytest.fixture
+def tokenizer(tmp_path):
+    make_char_tokenizer(ALPHABET).save_pretrained(tmp_path)
+    return load_tokenizer(tmp_path)
+
+
+def test_saved_tokenizer_round_trips_text(tokenizer):
+    ids = tokenizer.encode("what is 12+30?")
+    assert len(ids) == len("what is 12+30?")
+    assert tokenizer.decode(ids) == "what is 12+30?"
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+
+
+def test_prompts_are_left_padded_to_the_longest(tokenizer):
+    ids_BxP, mask_BxP = encode_prompts(tokenizer, ["abc", "a", "hello there"])
+    assert ids_BxP.shape == mask_BxP.shape == (3, 11)
+    assert mask_BxP.sum(axis=1).tolist() == [3, 1, 11]
+    # Real tokens end at the last column; padding is on the left and uses the pad id.
+    assert mask_BxP[:, -1].all()
+    assert (ids_BxP[~mask_BxP] == pad_token_id(tokenizer)).all()
+    assert tokenizer.decode(ids_BxP[0][mask_BxP[0]]) == "abc"
+
+
+def test_chat_template_is_applied_when_present(tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}q={{ m['content'] }}{% endfor %}="
+    ids_BxP, mask_BxP = encode_prompts(tokenizer, ["1+1"])
+    assert tokenizer.decode(ids_BxP[0][mask_BxP[0]]) == "q=1+1="
+    plain, _ = encode_prompts(tokenizer, ["1+1"], chat_template=False)
+    assert tokenizer.decode(plain[0]) == "1+1"
+
+
+def test_decode_drops_masked_and_special_tokens(tokenizer):
+    ids = np.array([[4, 5, 2, 0], [6, 0, 0, 0]])
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], bool)
+    assert decode_completions(tokenizer, ids, mask) == ["ab", "c"]
+
+
+def test_bad_input_is_named(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match="no tokenizer in"):
+        load_tokenizer(tmp_path / "empty")
+    with pytest.raises(ValueError, match="no prompts"):
+        encode_prompts(tokenizer, [])
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        encode_prompts(tokenizer, [""], chat_template=False)
