@@ -68,14 +68,14 @@ def run_check(cfg: CheckConfig, console: Console) -> dict[str, Any]:
     else:
         model_cfg = tiny_config(
             cfg.check.family, param_dtype=cfg.model.dtype or "float32",
-            dtype=cfg.model.compute_dtype or cfg.model.dtype or "float32",
+            compute_dtype=cfg.model.compute_dtype or cfg.model.dtype or "float32",
             scan_layers=cfg.model.scan_layers, attention_impl=cfg.model.attention_impl)
         built = create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.check.seed)),
                                mesh, rules)
         with tempfile.TemporaryDirectory() as tmp:
             save_pretrained(built, tmp)
             model = from_pretrained(tmp, mesh=mesh, rules=rules, scan_layers=model_cfg.scan_layers,
-                                    compute_dtype=model_cfg.dtype,
+                                    compute_dtype=model_cfg.compute_dtype,
                                     attention_impl=model_cfg.attention_impl)
         source = f"tiny random {cfg.check.family} (saved as HF and reloaded)"
     console.print(f"[bold]model[/]: {source}, {model.config.num_params():,} parameters")
@@ -99,13 +99,13 @@ def run_check(cfg: CheckConfig, console: Console) -> dict[str, Any]:
 
     finite = bool(np.isfinite(np.asarray(logits)).all())
     max_diff = None
-    param_bytes = model.config.num_params() * model.config.weight_dtype.itemsize
+    param_bytes = model.config.num_params() * jnp.dtype(model.config.param_dtype).itemsize
     if param_bytes <= SINGLE_DEVICE_COMPARE_BYTES:
         reference = _unsharded_logits(model, np.asarray(ids_BxT), np.asarray(mask_BxT))
         valid = np.asarray(mask_BxT).astype(bool)
         max_diff = float(np.max(np.abs(np.asarray(logits)[valid] - reference[valid])))
         scale = float(np.max(np.abs(reference[valid])))
-        tolerance = 1e-4 if model.config.compute_dtype == jnp.float32 else 2e-2
+        tolerance = 1e-4 if model.config.compute_dtype == "float32" else 2e-2
         agreement = (f"max |sharded - single device| = {max_diff:.2e} "
                      f"(bound {tolerance:.0e} x {scale:.2f})")
         ok = finite and max_diff <= tolerance * scale

@@ -29,6 +29,10 @@ class GenerateSection:
     chat_template: bool = True  # render prompts with the tokenizer's chat template if it has one
     seed: int = 0
 
+    def __post_init__(self):
+        if not self.prompts:
+            raise ValueError("generate.prompts is empty; give at least one prompt")
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:

@@ -25,6 +25,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The pad id, else the EOS id (padding is masked anyway), else 0."""
     for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if candidate is not None:
             return int(candidate)
@@ -32,6 +33,7 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> str:
+    """One user turn through the chat template (when asked for and present), else the text."""
     if chat_template and tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)

@@ -54,12 +54,12 @@ class Attention(nnx.Module):
         self.v_kernel = param(normal(rngs, (e, k, h), config), ("embed", "kv_heads", "head_dim"))
         self.o_kernel = param(normal(rngs, (n, h, e), config), ("heads", "head_dim", "embed"))
         if config.qkv_bias:
-            zeros = lambda *shape: jnp.zeros(shape, config.weight_dtype)  # noqa: E731
+            zeros = lambda *shape: jnp.zeros(shape, config.param_dtype)  # noqa: E731
             self.q_bias = param(zeros(n, h), ("heads", "head_dim"))
             self.k_bias = param(zeros(k, h), ("kv_heads", "head_dim"))
             self.v_bias = param(zeros(k, h), ("kv_heads", "head_dim"))
         if config.o_bias:
-            self.o_bias = param(jnp.zeros((e,), config.weight_dtype), ("embed",))
+            self.o_bias = param(jnp.zeros((e,), config.param_dtype), ("embed",))
         if config.qk_norm:
             self.q_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
             self.k_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)

@@ -66,7 +66,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # Runtime policy, not stored in the checkpoint.
     param_dtype: DTypeName = "float32"
-    dtype: DTypeName = "float32"
+    compute_dtype: DTypeName = "float32"
     scan_layers: bool = False
     attention_impl: AttentionImpl = "xla"
 
@@ -86,17 +86,6 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
             )
 
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def weight_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.param_dtype)
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
     def num_params(self) -> int:
         """Parameter count, embeddings included (tied embeddings counted once)."""
         e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
@@ -114,8 +103,10 @@ class ModelConfig:
     # ---------------------------------------------------------------- HF config.json
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], **runtime: Any) -> ModelConfig:
-        """Builds a config from a parsed HF `config.json`; `runtime` sets dtype/scan fields."""
+    def from_hf(cls, hf: dict[str, Any], *, param_dtype: DTypeName = "float32",
+                compute_dtype: DTypeName = "float32", scan_layers: bool = False,
+                attention_impl: AttentionImpl = "xla") -> ModelConfig:
+        """Builds a config from a parsed HF `config.json` plus the runtime policy."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -160,7 +151,10 @@ class ModelConfig:
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=_token_ids(hf.get("eos_token_id")),
-            **runtime,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            scan_layers=scan_layers,
+            attention_impl=attention_impl,
         )
 
     def to_hf(self) -> dict[str, Any]:

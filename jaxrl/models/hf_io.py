@@ -2,10 +2,11 @@
 
 Loading never materialises the model on one device: the model is built abstractly
 (`nnx.eval_shape`), each parameter's sharding comes from the logical-axis rules, and each
-array is created by `jax.make_array_from_callback`, whose callback lazily reads from the
-memory-mapped safetensors file only the slice that one device holds, converting it from the
-HF layout (`hf_names`). With `scan_layers` a parameter stacks all layers, so a shard reads
-its slice from each of its layers' tensors.
+array is assembled from per-device shards, each read from the memory-mapped safetensors file
+as only the slice that its device holds (once for all devices that replicate it), converted
+from the HF layout (`hf_names`) and put on its devices before the next slice is read. With
+`scan_layers` a parameter stacks all layers, so a shard reads its slice from each of its
+layers' tensors.
 
 Saving is the inverse, one parameter at a time on the host, in the model's parameter dtype;
 only process 0 writes. Shards are planned from the shapes before any gather, so at most one
@@ -31,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.models import hf_names
-from jaxrl.models.config import AttentionImpl, ModelConfig
+from jaxrl.models.config import AttentionImpl, ModelConfig, UnsupportedModelError
 from jaxrl.models.transformer import Transformer
 from jaxrl.sharding.rules import AxisRules, state_shardings
 
@@ -72,13 +73,9 @@ def from_pretrained(
     if mesh is not None and rules is None:
         raise ValueError("from_pretrained(mesh=...) also needs rules= to place parameters, "
                          "e.g. rules=load_layout('fsdp').train_rules")
-    hf = json.loads(config_file.read_text())
-    param_dtype = _dtype_name(dtype if dtype is not None
-                              else hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    config = ModelConfig.from_hf(
-        hf, param_dtype=param_dtype,
-        dtype=param_dtype if compute_dtype is None else _dtype_name(compute_dtype),
-        scan_layers=scan_layers, attention_impl=attention_impl)
+    param_dtype = None if dtype is None else _dtype_name(dtype)
+    compute_dtype = None if compute_dtype is None else _dtype_name(compute_dtype)
+    config = _read_config(config_file, param_dtype, compute_dtype, scan_layers, attention_impl)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     if mesh is None:
@@ -116,7 +113,7 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     config = model.config
     path = Path(path)
     writer = jax.process_index() == 0
-    dtype = config.weight_dtype
+    dtype = jnp.dtype(config.param_dtype)
     variables = nnx.to_flat_state(nnx.state(model, nnx.Param))
 
     # Plan the shards from shapes alone: tensors in variable order, a new shard whenever the
@@ -140,13 +137,15 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
+    # to_hf may refuse the config; ask before anything in `path` is touched.
+    hf_config = config.to_hf()
     if writer:
         path.mkdir(parents=True, exist_ok=True)
         for old in path.iterdir():
             if _WEIGHT_FILE.fullmatch(old.name):
                 old.unlink()
-        _write_json(path / CONFIG_FILE, config.to_hf())
-        generation = {k: v for k, v in config.to_hf().items()
+        _write_json(path / CONFIG_FILE, hf_config)
+        generation = {k: v for k, v in hf_config.items()
                       if k in ("bos_token_id", "eos_token_id") and v is not None}
         if generation:
             _write_json(path / "generation_config.json", generation)
@@ -171,6 +170,24 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
 
 
 # ------------------------------------------------------------------ loading helpers
+
+
+def _read_config(config_file: Path, param_dtype: str | None, compute_dtype: str | None,
+                 scan_layers: bool, attention_impl: AttentionImpl) -> ModelConfig:
+    """The ModelConfig of `config.json`; a malformed file is a CheckpointError naming it."""
+    try:
+        hf = json.loads(config_file.read_text())
+        if param_dtype is None:
+            param_dtype = _dtype_name(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        return ModelConfig.from_hf(
+            hf, param_dtype=param_dtype, compute_dtype=compute_dtype or param_dtype,
+            scan_layers=scan_layers, attention_impl=attention_impl)
+    except UnsupportedModelError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{config_file} lacks the key {e}") from None
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_file}: {e}") from None
 
 
 class _Checkpoint:
@@ -217,27 +234,34 @@ class _Checkpoint:
 def _load(checkpoint: _Checkpoint, name: hf_names.ParamName, shape: tuple[int, ...],
           sharding: jax.sharding.Sharding, config: ModelConfig) -> jax.Array:
     """One parameter created on `sharding`, each device's slice read from disk."""
-    dtype = config.weight_dtype
+    dtype = jnp.dtype(config.param_dtype)
     hf = name.hf_names()
-    cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def layer_slice(hf_name: str, index: hf_names.Index) -> np.ndarray:
         return hf_names.to_ours(name.kind, functools.partial(checkpoint.read, hf_name), index,
                                 config.head_dim)
 
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-        key = tuple((s.start, s.stop) for s in index)
-        # Replicated shards ask for the same slice once per device: read it once.
-        if key not in cache:
-            if name.stacked:
-                out = np.stack([layer_slice(hf[i], index[1:]) for i in range(len(hf))[index[0]]])
-            else:
-                out = layer_slice(hf[0], index)
-            cache[key] = np.ascontiguousarray(out.astype(dtype))
-        return cache[key]
-
-    return jax.make_array_from_callback(shape, sharding, callback)
+    # Devices that hold the same slice (replication) share one read. Each distinct slice is
+    # read, put on its devices and dropped before the next is read, so the host holds one
+    # slice at a time (plus transfers still in flight) rather than, as
+    # `jax.make_array_from_callback` would (it collects every device's slice before
+    # transferring any), all of them: with `scan_layers` and replicated rules that is the
+    # whole stacked [L, ...] tensor.
+    devices_of: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        devices_of.setdefault(key, []).append(device)
+    shards = []
+    for key, devices in devices_of.items():
+        index = tuple(slice(start, stop) for start, stop in key)
+        if name.stacked:
+            out = np.stack([layer_slice(hf[i], index[1:]) for i in range(len(hf))[index[0]]])
+        else:
+            out = layer_slice(hf[0], index)
+        out = np.ascontiguousarray(out.astype(dtype))
+        shards += [jax.device_put(out, device) for device in devices]
+        del out
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def _dtype_name(dtype: str | jnp.dtype) -> str:

@@ -20,14 +20,14 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> jax.Array:
-    return INIT_STD * jax.random.normal(rngs.params(), shape, config.weight_dtype)
+    return INIT_STD * jax.random.normal(rngs.params(), shape, config.param_dtype)
 
 
 class RMSNorm(nnx.Module):
     """y = x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 (as transformers does)."""
 
     def __init__(self, size: int, axis: str, eps: float, config: ModelConfig):
-        self.scale = param(jnp.ones((size,), config.weight_dtype), (axis,))
+        self.scale = param(jnp.ones((size,), config.param_dtype), (axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:

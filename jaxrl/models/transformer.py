@@ -45,8 +45,9 @@ class KVCache(NamedTuple):
              dtype: jnp.dtype | None = None) -> KVCache:
         shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
         dtype = config.compute_dtype if dtype is None else dtype
-        zeros = constrain(jnp.zeros(shape, dtype), CACHE_AXES)
-        return cls(zeros, zeros, jnp.zeros((batch_size, max_len), bool), jnp.zeros((), jnp.int32))
+        # Two buffers, not one array twice: a step that donates the cache donates both.
+        k, v = (constrain(jnp.zeros(shape, dtype), CACHE_AXES) for _ in range(2))
+        return cls(k, v, jnp.zeros((batch_size, max_len), bool), jnp.zeros((), jnp.int32))
 
 
 def default_positions(attention_mask_BxT: jax.Array) -> jax.Array:
@@ -128,8 +129,12 @@ class Transformer(nnx.Module):
 
         With `last_only` the logits are those of the last column only ([B, 1, V]): a prefill
         needs no more, and skips the vocabulary projection of every other prompt token.
+        The caller keeps `cache.end + T` within the cache (a traced `end` cannot be checked
+        here, and XLA clamps an out-of-range write onto the last slots).
         """
-        num_new = input_ids.shape[1]
+        num_new, max_len = input_ids.shape[1], cache.valid_BxS.shape[1]
+        if num_new > max_len:
+            raise ValueError(f"cannot append {num_new} tokens to a KV cache of {max_len} slots")
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, bool)
         valid_BxS = jax.lax.dynamic_update_slice(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -49,11 +50,17 @@ class Sampler:
 
     def generate_traced(self, params: nnx.State, prompts: Prompts, key: jax.Array) -> Rollout:
         """The pure body of `generate`, to compose into a larger jitted program (the RL step)."""
+        # Cast before resharding: the model casts every weight to the compute dtype at use
+        # anyway, so gathering (and holding) the rollout copy in it halves the traffic of
+        # fp32 weights with bf16 compute and changes no result.
+        dtype = nnx.merge(self.graphdef, params).config.compute_dtype
+        params = jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
         if self.mesh is None:
             return sample(nnx.merge(self.graphdef, params), *prompts, key, self.config)
         params = jax.lax.with_sharding_constraint(
             params, state_shardings(params, self.mesh, self.rules))
-        batch = self.rules.sharding(("batch", "seq"), prompts.ids_BxP.shape, self.mesh)
-        prompts = Prompts(*(jax.lax.with_sharding_constraint(x, batch) for x in prompts))
+        rows = self.rules.sharding(("batch", "seq"), prompts.ids_BxP.shape, self.mesh)
+        prompts = Prompts(*(jax.lax.with_sharding_constraint(x, rows) for x in prompts))
         with use_rules(self.mesh, self.rules):
             return sample(nnx.merge(self.graphdef, params), *prompts, key, self.config)

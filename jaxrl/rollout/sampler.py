@@ -83,7 +83,8 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
     # fresh Variables holding the same arrays.
     graphdef, weights = nnx.split(model)
 
-    cache = KVCache.init(model.config, num_prompts, prompt_len + steps)
+    # The last sampled token is never fed back, so it needs no slot.
+    cache = KVCache.init(model.config, num_prompts, prompt_len + steps - 1)
     positions_BxP = default_positions(prompt_mask_BxP)
     logits_Bx1xV, cache = nnx.merge(graphdef, weights, copy=True).extend(
         prompt_ids_BxP, positions_BxP, cache, prompt_mask_BxP, last_only=True)
@@ -104,10 +105,10 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
         token_B, logp_B, logp_raw_B = sample_tokens(keys_B, logits_BxV, config.sampling)
         active_B = ~done_B
         token_B = jnp.where(active_B, token_B, config.pad_token_id)
-        tokens, mask, logp, logp_raw = out
-        out = (tokens.at[:, t].set(token_B), mask.at[:, t].set(active_B),
-               logp.at[:, t].set(jnp.where(active_B, logp_B, 0.0)),
-               logp_raw.at[:, t].set(jnp.where(active_B, logp_raw_B, 0.0)))
+        tokens_BxC, mask_BxC, logp_BxC, logp_raw_BxC = out
+        out = (tokens_BxC.at[:, t].set(token_B), mask_BxC.at[:, t].set(active_B),
+               logp_BxC.at[:, t].set(jnp.where(active_B, logp_B, 0.0)),
+               logp_raw_BxC.at[:, t].set(jnp.where(active_B, logp_raw_B, 0.0)))
         return token_B, done_B | jnp.isin(token_B, stop_ids), out
 
     out = (jnp.full((batch, steps), config.pad_token_id, jnp.int32),
@@ -130,10 +131,10 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
     num_steps, _, _, _, _, out = jax.lax.while_loop(cond, body, state)
     # Every row output is split over the batch axes, also when the prompts alone (fewer rows)
     # did not divide them and were replicated.
-    tokens, mask, logp, logp_raw, prompt_ids_BxP, prompt_mask_BxP = (
+    tokens_BxC, mask_BxC, logp_BxC, logp_raw_BxC, prompt_ids_BxP, prompt_mask_BxP = (
         constrain(x, ("batch", "seq")) for x in (*out, repeat(prompt_ids_BxP, 0),
                                                  repeat(prompt_mask_BxP, 0)))
     return Rollout(
         prompt_ids_BxP=prompt_ids_BxP, prompt_mask_BxP=prompt_mask_BxP,
-        completion_ids_BxC=tokens, completion_mask_BxC=mask, logp_BxC=logp,
-        logp_raw_BxC=logp_raw, num_steps=num_steps)
+        completion_ids_BxC=tokens_BxC, completion_mask_BxC=mask_BxC, logp_BxC=logp_BxC,
+        logp_raw_BxC=logp_raw_BxC, num_steps=num_steps)

@@ -104,9 +104,18 @@ class Layout:
 
 
 def preset_dir() -> Path:
-    """Where named presets live: $JAXRL_SHARDING_DIR, else the repository's `sharding/`."""
+    """Where named presets live: $JAXRL_SHARDING_DIR, else the installed presets, else the
+    repository's top-level `sharding/`.
+
+    A wheel ships the repository's `sharding/*.yaml` as `jaxrl/sharding/presets/` (see
+    pyproject.toml); a source checkout or an editable install reads `sharding/` in place.
+    """
     env = os.environ.get(PRESET_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "sharding"
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    installed = here / "presets"
+    return installed if installed.is_dir() else here.parents[1] / "sharding"
 
 
 def available_presets() -> list[str]:

@@ -56,6 +56,7 @@ class AxisRules:
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, str | Sequence[str] | None]) -> AxisRules:
+        """From `{logical: mesh axis | [mesh axes] | None}`, as written in a layout YAML."""
         items = []
         for logical, mesh_axes in mapping.items():
             if mesh_axes is None:
@@ -67,6 +68,7 @@ class AxisRules:
         return cls(tuple(items))
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes `logical` maps to (empty: replicated)."""
         if logical is None:
             return ()
         if logical not in LOGICAL_AXES:
@@ -97,6 +99,7 @@ class AxisRules:
         return PartitionSpec(*entries)
 
     def sharding(self, logical_axes: LogicalAxes, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+        """`spec` as a NamedSharding on `mesh`."""
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
 
 
@@ -134,6 +137,7 @@ def use_rules(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
 
 
 def active_rules() -> tuple[Mesh, AxisRules] | None:
+    """The (mesh, rules) of the innermost `use_rules`, or None."""
     return _ACTIVE.get()
 
 

@@ -12,7 +12,8 @@ CHECK_YAML = str(Path(__file__).resolve().parents[2] / "configs" / "check.yaml")
 
 
 def test_check_runs_sharded_and_matches_one_device(capsys):
-    assert main(["check", CHECK_YAML, "check.family=llama", "model.scan_layers=true"]) == 0
+    assert main(["check", CHECK_YAML, "check.family=llama", "model.scan_layers=true",
+                 "sharding.layout=fsdp_tp"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["ok"] is True
     assert summary["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}

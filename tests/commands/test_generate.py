@@ -67,6 +67,7 @@ def test_generate_needs_a_model_directory_with_a_tokenizer(tmp_path, capsys):
     ("rollout.temperature=-1", ["rollout.temperature", "-1"]),
     ("rollout.top_p=1.5", ["rollout.top_p", "1.5"]),
     ("rollout.max_new_tokens=0", ["rollout.max_new_tokens", "0"]),
+    ("generate.prompts=[]", ["generate.prompts", "empty"]),
 ])
 def test_bad_sampling_settings_exit_2(override, words, model_dir, capsys):
     assert main(["generate", f"model.path={model_dir}", override]) == EXIT_CONFIG_ERROR

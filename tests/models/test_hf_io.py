@@ -17,6 +17,7 @@ from jaxrl.models import (
     UnsupportedModelError,
     default_positions,
     from_pretrained,
+    hf_io,
     save_pretrained,
 )
 from jaxrl.sharding import AxisRules
@@ -201,6 +202,29 @@ def test_every_slice_reads_the_right_values(family, scan_layers, hf_checkpoint):
     _assert_same_params(from_pretrained(path, scan_layers=scan_layers), sharded)
 
 
+def test_each_distinct_slice_is_read_once(hf_checkpoint, monkeypatch):
+    # Weights on `tensor` only (as rollout rules are): each slice is replicated over the
+    # 4 data x fsdp devices, and the stacked layers make one parameter read every layer.
+    mesh, _ = _mesh_and_rules()
+    rules = AxisRules.from_mapping({"vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
+                                    "mlp": "tensor"})
+    reads = []
+    read = hf_io._Checkpoint.read
+
+    def counting_read(self, name, index):
+        reads.append((name, tuple((s.start, s.stop) for s in index)))
+        return read(self, name, index)
+
+    monkeypatch.setattr(hf_io._Checkpoint, "read", counting_read)
+    path = hf_checkpoint("llama")
+    sharded = from_pretrained(path, mesh=mesh, rules=rules, scan_layers=True)
+    assert len(sharded.layers.mlp.down.get_value().sharding.device_set) == 8
+    assert sorted({name for name, _ in reads}) == sorted(load_file(path / "model.safetensors"))
+    assert len(reads) == len(set(reads)), "a slice was read more than once"
+    monkeypatch.undo()
+    _assert_same_params(from_pretrained(path, scan_layers=True), sharded)
+
+
 def test_scan_layers_round_trip(hf_checkpoint, tmp_path):
     path = hf_checkpoint("qwen3")
     scanned = from_pretrained(path, scan_layers=True)
@@ -214,14 +238,14 @@ def test_scan_layers_round_trip(hf_checkpoint, tmp_path):
 def test_bfloat16_checkpoint_keeps_its_dtype(hf_checkpoint, tmp_path):
     path = hf_checkpoint("qwen2", torch.bfloat16)
     model = from_pretrained(path)
-    assert model.config.param_dtype == "bfloat16" and model.config.dtype == "bfloat16"
+    assert model.config.param_dtype == "bfloat16" and model.config.compute_dtype == "bfloat16"
     params = _params(model)
     assert all(v.dtype == jax.numpy.bfloat16 for v in params.values())
     ref = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
     np.testing.assert_array_equal(params[("embed",)], ref)
 
     upcast = from_pretrained(path, dtype="float32", compute_dtype=jax.numpy.bfloat16)
-    assert upcast.embed.get_value().dtype == np.float32 and upcast.config.dtype == "bfloat16"
+    assert upcast.embed.get_value().dtype == np.float32 and upcast.config.compute_dtype == "bfloat16"
     save_pretrained(model, tmp_path)
     assert load_file(tmp_path / "model.safetensors")["model.norm.weight"].dtype == ref.dtype
     _assert_same_params(model, from_pretrained(tmp_path))
@@ -254,6 +278,39 @@ def test_unsupported_model_type(hf_checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*llama"):
         from_pretrained(path)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_size": None}, ["config.json"]),
+    ({"num_attention_heads": 3}, ["config.json", "num_heads (3)"]),
+    ({"torch_dtype": "int8", "dtype": "int8"}, ["config.json", "int8"]),
+    ({"num_hidden_layers": "__delete__"}, ["config.json", "num_hidden_layers"]),
+])
+def test_malformed_config_is_a_checkpoint_error(change, words, hf_checkpoint, tmp_path):
+    path = _copy(hf_checkpoint, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    for key, value in change.items():
+        if value == "__delete__":
+            del config[key]
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as info:
+        from_pretrained(path)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_save_refused_leaves_the_directory_untouched(hf_checkpoint, tmp_path):
+    path = _copy(hf_checkpoint, tmp_path)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    model = from_pretrained(path)
+    # A qwen2 checkpoint without q/k/v bias cannot be written as qwen2.
+    model.config = model.config.__class__(**{**model.config.__dict__, "model_type": "qwen2",
+                                             "qkv_bias": False, "o_bias": False})
+    with pytest.raises(UnsupportedModelError):
+        save_pretrained(model, path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
 
 
 def test_missing_tensor(hf_checkpoint, tmp_path):

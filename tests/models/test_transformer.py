@@ -206,6 +206,18 @@ def test_last_only_prefill_gives_the_last_column_and_the_same_cache():
     jax.tree.map(np.testing.assert_array_equal, cache_last, cache_every)
 
 
+def test_cache_can_be_donated_and_refuses_more_tokens_than_slots():
+    config = make_tiny_config("llama")
+    model = _model(config)
+    cache = KVCache.init(config, 2, 4)
+    # k and v are separate buffers, so a step may donate the whole cache.
+    step = jax.jit(lambda c: c._replace(end=c.end + 1), donate_argnums=0)
+    assert int(step(cache).end) == 1
+    with pytest.raises(ValueError, match="cannot append 5 tokens to a KV cache of 4 slots"):
+        model.extend(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5), jnp.int32),
+                     KVCache.init(config, 2, 4))
+
+
 # ------------------------------------------------------------------ causality and padding
 
 def test_outputs_never_depend_on_later_or_other_rows_inputs():
@@ -303,7 +315,7 @@ BF16_RTOL = 2e-2
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_compute_with_fp32_params_stays_close_to_fp32(family):
     fp32 = _model(make_tiny_config(family))
-    bf16 = Transformer(make_tiny_config(family, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    bf16 = Transformer(make_tiny_config(family, compute_dtype="bfloat16"), rngs=nnx.Rngs(0))
     state = nnx.state(bf16)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state))
     jax.tree.map(np.testing.assert_array_equal, state, nnx.state(fp32))

@@ -31,7 +31,7 @@ LLAMA = ("llama", "float32")
 @functools.cache
 def policy(family, dtype):
     """(graphdef, state) of a random model (float32 weights), filled in numpy: no init compile."""
-    config = make_tiny_config(family, dtype=dtype)
+    config = make_tiny_config(family, compute_dtype=dtype)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
 

@@ -1,5 +1,12 @@
 """Layout presets load and build meshes; malformed layouts fail with errors that say why."""
 
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import jax
 import pytest
 from jax.sharding import AxisType
@@ -148,3 +155,44 @@ def test_dcn_needs_devices_that_report_slices(tmp_path):
 def test_dcn_multiplies_device_count_check():
     with pytest.raises(ValueError, match=r"needs 16 devices.*8 are available"):
         _layout(2, 4, 1, dcn_data=2).mesh_shape(8)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_ships_presets_and_every_module(tmp_path):
+    # Build from a copy so no build/ or egg-info lands in the working tree.
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("jaxrl", "sharding"):
+        shutil.copytree(REPO / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    env = {k: v for k, v in os.environ.items() if k != "JAXRL_SHARDING_DIR"}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, env=env, cwd=tmp_path)
+    [wheel] = (tmp_path / "dist").glob("jaxrl-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+
+    presets = sorted(p.name for p in (REPO / "sharding").glob("*.yaml"))
+    assert presets
+    missing = [p for p in presets if f"jaxrl/sharding/presets/{p}" not in names]
+    assert not missing, f"presets missing from the wheel: {missing}"
+    # pyproject.toml lists jaxrl's packages by hand: a new subpackage must be added there.
+    modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jaxrl").rglob("*.py")
+                     if "__pycache__" not in p.parts)
+    missing = [m for m in modules if m not in names]
+    assert not missing, f"add their packages to pyproject.toml [tool.setuptools] packages: {missing}"
+
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, env=env, cwd=tmp_path)
+    env["PYTHONPATH"] = str(site)
+    code = ("import jaxrl; from jaxrl.sharding import available_presets, load_layout; "
+            "load_layout('fsdp'); print(jaxrl.__file__); print(*available_presets())")
+    out = subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert Path(out[0]).is_relative_to(site)  # the installed copy, not the checkout
+    assert out[1].split() == [Path(p).stem for p in presets]
