@@ -134,6 +134,13 @@ def test_sharded_rollout_matches_single_device(mesh_shape):
                for _, op_name, in_loop in weight_gathers), weight_gathers
     # The training layout shards weights over fsdp; the rollout layout does not.
     assert bool(weight_gathers) == (mesh.shape["fsdp"] > 1)
+    # Sampling runs per device on its own rows: no device gathers other rows' logits (an
+    # all-gather with all B rows and more than one shard's vocabulary).
+    rows = rollout.completion_ids_BxC.shape[0]
+    vocab_shard = CONFIG.vocab_size // mesh.shape["tensor"]
+    row_gathers = [g for g in _all_gathers(hlo)
+                   if len(g[0]) == 2 and g[0][0] == rows and g[0][1] >= vocab_shard]
+    assert not row_gathers, row_gathers
 
 
 def _is_variable(x):
