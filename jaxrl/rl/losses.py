@@ -1,0 +1,192 @@
+"""The clipped policy-gradient loss of the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO), with KL,
+entropy bonus and truncated importance sampling.
+
+Per completion token t of sequence i (mask m_it = 1), with advantage A_i:
+
+    ratio_it = exp(logp_it - old_logp_it)                         "token" (PPO, GRPO, DAPO)
+             = exp(sum_t m_it (logp_it - old_logp_it) / |y_i|)    "sequence" (GSPO), the same
+                                                                  for every token of sequence i
+    pg_it    = -min(ratio_it · A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) · A_i)
+    w_it     = min(exp(old_logp_it - sampler_logp_it), tis_cap)   truncated IS (1 when off)
+    kl_it    = k(log r_it),  log r_it = ref_logp_it - logp_it     Schulman's estimators of
+               k1 = -log r,  k2 = (log r)^2 / 2,  k3 = r - 1 - log r      KL(pi || ref)
+    l_it     = w_it · pg_it + beta · kl_it - entropy_coef · H_it
+
+and the loss aggregates l over the valid tokens:
+
+    token_mean               sum_it m l / sum_it m                     (DAPO: every token counts
+                                                                        the same)
+    seq_mean_token_mean      mean_i [sum_t m l / |y_i|]                (GRPO paper; with
+                                                                        "sequence" = GSPO paper)
+    seq_mean_token_sum_norm  mean_i [sum_t m l / max_completion_len]   (Dr. GRPO: no length bias)
+
+eps_high > eps_low is DAPO's clip-higher; GSPO's sequence ratios need far narrower clip
+ranges (the paper uses 3e-4 / 4e-4). For one on-policy gradient step per batch pass
+`old_logp = stop_gradient(logp)`: the ratio is 1 and the loss gradient is the policy gradient.
+
+Deliberate choices:
+- "mean over sequences" counts only sequences with at least one valid token. A fully masked
+  row (a zero-std group, see advantages.py) then vanishes from every aggregation, instead of
+  diluting the gradient as groups saturate (TRL divides by the batch size B).
+- KL and the entropy bonus are added per token and aggregated like the policy term (as TRL
+  and verl do), so `loss = loss/policy + beta · loss/kl - entropy_coef · agg(H)` with
+  `loss/kl` the aggregated estimator (unscaled by beta).
+- Masked tokens are zeroed with `where` in every input, not multiplied by 0 at the end, so
+  garbage log-probs at padding (an overflowing ratio) give neither a NaN loss nor a NaN
+  gradient, and their gradient is exactly 0.
+
+Metrics, float32 scalars: `loss/policy` (aggregated w · pg), `loss/kl` (0 when beta = 0),
+`clip_frac` (fraction of valid tokens whose clipped branch is strictly smaller, so has no
+gradient), `entropy` (token mean of H, when given) and `tis/weight_mean` (token mean of w,
+when tis_cap is set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+ImportanceLevel = Literal["token", "sequence"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """Which member of the GRPO family `policy_loss` computes (see the module docstring)."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    importance_level: ImportanceLevel = "token"
+    aggregation: Aggregation = "token_mean"
+    beta: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        for name, choices in (("importance_level", ImportanceLevel),
+                              ("aggregation", Aggregation), ("kl_estimator", KLEstimator)):
+            value = getattr(self, name)
+            if value not in typing.get_args(choices):
+                raise ValueError(f"{name} must be one of {typing.get_args(choices)}, "
+                                 f"got {value!r}")
+        # `not x >= 0` also rejects NaN.
+        if not 0 <= self.epsilon_low <= 1:
+            raise ValueError(f"epsilon_low must be in [0, 1] (the ratio is clipped below at "
+                             f"1 - epsilon_low), got {self.epsilon_low}")
+        if not 0 <= self.epsilon_high < math.inf:
+            raise ValueError(f"epsilon_high must be finite and >= 0, got {self.epsilon_high}")
+        if not 0 <= self.beta < math.inf:
+            raise ValueError(f"beta must be finite and >= 0 (0 = no KL term), got {self.beta}")
+        if not 0 <= self.entropy_coef < math.inf:
+            raise ValueError(f"entropy_coef must be finite and >= 0 (a bonus), "
+                             f"got {self.entropy_coef}")
+        if self.tis_cap is not None and not 0 < self.tis_cap < math.inf:
+            raise ValueError(f"tis_cap must be finite and > 0, or None (off), got {self.tis_cap}")
+
+
+def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array,
+                estimator: KLEstimator) -> jax.Array:
+    """Per-token estimate of KL(pi || ref) from samples of pi, with log r = ref_logp - logp.
+
+    k1 = -log r (unbiased, can be negative), k2 = (log r)^2 / 2 (biased, >= 0),
+    k3 = r - 1 - log r (unbiased, >= 0 since e^x >= 1 + x).
+    """
+    log_r_BxT = ref_logp_BxT.astype(jnp.float32) - logp_BxT.astype(jnp.float32)
+    if estimator == "k1":
+        return -log_r_BxT
+    if estimator == "k2":
+        return 0.5 * jnp.square(log_r_BxT)
+    if estimator == "k3":
+        return jnp.expm1(log_r_BxT) - log_r_BxT
+    raise ValueError(f"kl_estimator must be one of {typing.get_args(KLEstimator)}, "
+                     f"got {estimator!r}")
+
+
+def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
+                mask_BxT: jax.Array, cfg: PolicyLossConfig, *,
+                ref_logp_BxT: jax.Array | None = None,
+                sampler_logp_BxT: jax.Array | None = None,
+                entropy_BxT: jax.Array | None = None,
+                max_completion_len: int | None = None,
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of the clipped surrogate objective; the equations are in the module doc.
+
+    logp: the policy being trained; old_logp: the policy that the advantages belong to (the
+    one before this batch's first update); sampler_logp: the sampler's own log-probs, for
+    TIS; ref_logp: the frozen reference, for KL; entropy: the policy's per-token entropy
+    (differentiable: the bonus's gradient flows through it).
+    """
+    if cfg.beta > 0 and ref_logp_BxT is None:
+        raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
+    if cfg.tis_cap is not None and sampler_logp_BxT is None:
+        raise ValueError(f"tis_cap={cfg.tis_cap} turns on truncated importance sampling: "
+                         f"pass sampler_logp_BxT")
+    if cfg.aggregation == "seq_mean_token_sum_norm":
+        if max_completion_len is None or max_completion_len < 1:
+            raise ValueError(f"aggregation='seq_mean_token_sum_norm' (Dr. GRPO) divides by a "
+                             f"constant: pass max_completion_len >= 1, "
+                             f"got {max_completion_len}")
+
+    if cfg.entropy_coef > 0 and entropy_BxT is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 adds an entropy bonus: "
+                         f"pass entropy_BxT")
+
+    valid_BxT = mask_BxT.astype(bool)
+    count_B = jnp.sum(valid_BxT, axis=1).astype(jnp.float32)
+    num_tokens = jnp.maximum(jnp.sum(count_B), 1.0)
+
+    def masked(x_BxT):
+        # Masking the *inputs* too keeps exp/expm1 of padding finite: a `where` after an
+        # overflow would still send 0 · inf = NaN back through the gradient.
+        return jnp.where(valid_BxT, x_BxT.astype(jnp.float32), 0.0)
+
+    def aggregate(x_BxT):
+        x_BxT = masked(x_BxT)
+        if cfg.aggregation == "token_mean":
+            return jnp.sum(x_BxT) / num_tokens
+        if cfg.aggregation == "seq_mean_token_mean":
+            per_seq_B = jnp.sum(x_BxT, axis=1) / jnp.maximum(count_B, 1.0)
+        else:
+            per_seq_B = jnp.sum(x_BxT, axis=1) / max_completion_len
+        return jnp.sum(per_seq_B) / jnp.maximum(jnp.sum(count_B > 0), 1)
+
+    logp_BxT = masked(logp_BxT)
+    log_ratio_BxT = logp_BxT - masked(old_logp_BxT)
+    if cfg.importance_level == "sequence":
+        seq_log_ratio_B = jnp.sum(log_ratio_BxT, axis=1) / jnp.maximum(count_B, 1.0)
+        log_ratio_BxT = jnp.broadcast_to(seq_log_ratio_B[:, None], log_ratio_BxT.shape)
+    ratio_BxT = jnp.exp(log_ratio_BxT)
+    adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
+    unclipped_BxT = ratio_BxT * adv_Bx1
+    clipped_BxT = jnp.clip(ratio_BxT, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv_Bx1
+    pg_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
+    metrics = {"clip_frac": jnp.sum(masked(clipped_BxT < unclipped_BxT)) / num_tokens}
+
+    if cfg.tis_cap is not None:
+        log_w_BxT = masked(old_logp_BxT) - masked(sampler_logp_BxT)
+        tis_w_BxT = jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w_BxT), cfg.tis_cap))
+        pg_BxT = pg_BxT * tis_w_BxT
+        metrics["tis/weight_mean"] = jnp.sum(masked(tis_w_BxT)) / num_tokens
+    metrics["loss/policy"] = aggregate(pg_BxT)
+    per_token_BxT = pg_BxT
+
+    metrics["loss/kl"] = jnp.zeros((), jnp.float32)
+    if cfg.beta > 0:
+        kl_BxT = kl_estimate(logp_BxT, masked(ref_logp_BxT), cfg.kl_estimator)
+        metrics["loss/kl"] = aggregate(kl_BxT)
+        per_token_BxT = per_token_BxT + cfg.beta * kl_BxT
+
+    if entropy_BxT is not None:
+        entropy_BxT = masked(entropy_BxT)
+        metrics["entropy"] = jnp.sum(entropy_BxT) / num_tokens
+        if cfg.entropy_coef > 0:
+            per_token_BxT = per_token_BxT - cfg.entropy_coef * entropy_BxT
+
+    return aggregate(per_token_BxT), metrics
