@@ -1,0 +1,63 @@
+"""The train state (policy + optimizer), created already sharded, and the KL reference copy.
+
+`TrainState` is an nnx Module holding the policy (`model`) and an `nnx.Optimizer` over its
+`nnx.Param`s (`optimizer`: the optax state and the update count `step`). nnx.Optimizer copies
+each parameter's metadata, logical axes included, onto its Adam moments, so one
+`state_shardings` call places every moment exactly like its parameter; the counters carry no
+axes and are replicated.
+
+`create_train_state` follows the nanodo recipe through `create_sharded`: `nnx.eval_shape`
+of the whole state -> shardings from the rules -> `jax.jit(init, out_shardings=...)`, so
+neither parameters nor moments ever exist whole on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.sharding import AxisRules, create_sharded
+from jaxrl.train.optimizer import OptimConfig, make_optimizer, weight_decay_mask
+
+
+class TrainState(nnx.Module):
+    """The policy and its optimizer; a jitted step takes `nnx.split(train_state)` and donates it."""
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @property
+    def step(self) -> jax.Array:
+        """Updates applied so far (uint32); the schedule's `t` of the next update."""
+        return self.optimizer.step[...]
+
+    def apply_gradients(self, grads: nnx.State) -> None:
+        """One optimizer update of the model's Params, in place; `grads` as from `nnx.grad`."""
+        self.optimizer.update(self.model, grads)
+
+
+def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimConfig,
+                       mesh: Mesh, rules: AxisRules) -> TrainState:
+    """The policy from `build_model()` (which seeds its own RNG) and its optimizer state,
+    created straight into `rules` on `mesh`.
+    """
+    # The decay mask needs the parameters' logical axes, which the optimizer never sees.
+    mask = weight_decay_mask(nnx.state(nnx.eval_shape(build_model), nnx.Param))
+    tx = make_optimizer(optim_cfg, mask)
+    return create_sharded(lambda: TrainState(build_model(), tx), mesh, rules)
+
+
+def reference_params(state: TrainState) -> nnx.State:
+    """A frozen copy of the policy's Params, for the KL term (needed only when beta > 0).
+
+    The copy has its own buffers with the same shardings: a step that donates the train state
+    would otherwise delete the reference with it. Run it as
+    `nnx.merge(nnx.graphdef(state.model), ref)`; pass it to the step as a non-donated,
+    non-differentiated argument. It costs one more copy of the parameters in memory.
+    """
+    return jax.tree.map(lambda x: x.copy(), nnx.state(state.model, nnx.Param))
