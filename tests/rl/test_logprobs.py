@@ -120,9 +120,8 @@ def test_chunked_gradient_never_holds_the_full_logits():
         return jnp.sum(logp) + jnp.sum(entropy)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, w).compile()
-    stats = compiled.memory_analysis()
-    if stats is None:
-        pytest.skip("this backend reports no memory analysis")
+    stats = compiled.memory_analysis()  # the CPU backend always reports it
+    assert stats is not None
     assert stats.temp_size_in_bytes < 4 * 64 * 16384 * 4 / 4
 
 
