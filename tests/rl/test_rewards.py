@@ -141,7 +141,7 @@ def test_raising_python_reward_gives_zero_counts_errors_and_logs_once(caplog):
                         decode=DECODE, host_fields=host_fields)
     completions = DECODE(INPUTS.completion_ids_BxC, INPUTS.completion_mask_BxC)
     failing = np.array([c.startswith("0") for c in completions])
-    assert 1 < failing.sum() < B
+    assert failing.sum() > 1 and failing.sum() < B
     score = jax.jit(rewards.score)
     with caplog.at_level(logging.ERROR, logger="jaxrl.rewards"):
         for _ in range(3):  # many failing samples over several calls
