@@ -115,6 +115,8 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
                 sampler_logp_BxT: jax.Array | None = None,
                 entropy_BxT: jax.Array | None = None,
                 max_completion_len: int | None = None,
+                num_tokens: jax.Array | None = None,
+                num_seqs: jax.Array | None = None,
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of the clipped surrogate objective; the equations are in the module doc.
 
@@ -122,6 +124,11 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     one before this batch's first update); sampler_logp: the sampler's own log-probs, for
     TIS; ref_logp: the frozen reference, for KL; entropy: the policy's per-token entropy
     (differentiable: the bonus's gradient flows through it).
+
+    num_tokens, num_seqs: the denominators of the aggregations (valid tokens; sequences with
+    a valid token) over a whole batch of which this call sees one microbatch; None counts
+    this call's own. With the whole batch's counts, the losses, metrics and gradients of the
+    microbatches sum to those of the batch (gradient accumulation ≡ full batch).
     """
     if cfg.beta > 0 and ref_logp_BxT is None:
         raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
@@ -140,7 +147,12 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
 
     valid_BxT = mask_BxT.astype(bool)
     count_B = jnp.sum(valid_BxT, axis=1).astype(jnp.float32)
-    num_tokens = jnp.maximum(jnp.sum(count_B), 1.0)
+    if num_tokens is None:
+        num_tokens = jnp.sum(count_B)
+    num_tokens = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
+    if num_seqs is None:
+        num_seqs = jnp.sum(count_B > 0)
+    num_seqs = jnp.maximum(jnp.asarray(num_seqs, jnp.float32), 1.0)
 
     def masked(x_BxT):
         # Masking the *inputs* too keeps exp/expm1 of padding finite: a `where` after an
@@ -155,7 +167,7 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
             per_seq_B = jnp.sum(x_BxT, axis=1) / jnp.maximum(count_B, 1.0)
         else:
             per_seq_B = jnp.sum(x_BxT, axis=1) / max_completion_len
-        return jnp.sum(per_seq_B) / jnp.maximum(jnp.sum(count_B > 0), 1)
+        return jnp.sum(per_seq_B) / num_seqs
 
     logp_BxT = masked(logp_BxT)
     log_ratio_BxT = logp_BxT - masked(old_logp_BxT)

@@ -1,0 +1,275 @@
+"""The phases of one RL step as plain functions: generate, score, advantages, train_on.
+
+    rollout          = generate(sampler, policy weights, prompts, key)
+    r_B, metrics     = score(rewards, reward_inputs(rollout, fields_P, rows_P))
+    adv_B, mask_BxC  = advantages(cfg, r_B, completion mask)        zero-std groups masked out
+    train_on(cfg, train_state, batch):
+        old_logp = stop_gradient(logp of the policy before any update)    one forward per step
+        for each iteration, for each minibatch:
+            g = sum over microbatches of grad(policy loss of the microbatch)
+            apply_gradients(g)                                            one optimizer update
+
+The step builder (`jaxrl.train.step`) composes them into compiled programs; every function
+here is pure and traceable (train_on updates its nnx TrainState in place, nnx style).
+
+Deliberate choices:
+- Microbatch losses are normalised by the counts of their whole minibatch (valid tokens,
+  non-empty sequences; `policy_loss`'s num_tokens / num_seqs), so the summed gradients of the
+  microbatches are the minibatch's gradient, whatever the aggregation: accumulation ≡ full
+  batch up to float rounding, and the loss metrics sum the same way.
+- Minibatches and microbatches are *strided* row sets (minibatch m of M holds rows
+  m, m + M, m + 2M, ...): on a mesh every slice then stays evenly split over the devices
+  that hold the batch rows, so slicing moves no data. A minibatch thus mixes groups;
+  advantages are computed over the whole batch before, so nothing depends on that.
+- old_logp is recomputed by the trainer's forward instead of reusing the sampler's: the
+  ratio of the first update is then exactly 1, and the sampler's own log-probs (at
+  temperature 1, `logp_raw_BxC`) serve only TIS, which corrects the sampler/trainer gap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrl.rl import (
+    PolicyLossConfig,
+    RewardInputs,
+    RewardSet,
+    dr_grpo_advantages,
+    grpo_advantages,
+    policy_loss,
+    rloo_advantages,
+    token_entropy,
+    token_log_probs,
+    zero_std_frac,
+    zero_std_groups,
+)
+from jaxrl.rl.advantages import ScaleRewards
+from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.train.state import TrainState
+
+AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo"]
+StepMode = Literal["fused", "split"]
+Batch = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What one RL step computes (the `algo` section): advantages, loss and update schedule."""
+
+    advantage: AdvantageEstimator = "grpo"
+    scale_rewards: ScaleRewards = "group"  # GRPO only
+    loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    num_iterations: int = 1  # passes over the rollout batch
+    num_minibatches: int = 1  # optimizer updates per pass; must divide the rows
+    microbatch_size: int | None = None  # rows per gradient accumulation step; None: minibatch
+    mask_zero_std_groups: bool = False  # drop groups whose rewards are all equal from the loss
+    mode: StepMode = "fused"
+    temperature: float = 1.0  # of the trainer's log-probs (old, new, reference)
+
+    def __post_init__(self):
+        def fail(name: str, requirement: str):
+            raise ValueError(f"step.{name} must be {requirement}, got {getattr(self, name)!r}")
+
+        for name, choices in (("advantage", AdvantageEstimator), ("mode", StepMode),
+                              ("scale_rewards", ScaleRewards)):
+            if getattr(self, name) not in typing.get_args(choices):
+                fail(name, f"one of {typing.get_args(choices)}")
+        if not isinstance(self.loss, PolicyLossConfig):
+            fail("loss", "a PolicyLossConfig")
+        for name in ("num_iterations", "num_minibatches", "microbatch_size"):
+            value = getattr(self, name)
+            if name == "microbatch_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(name, "an integer >= 1" + (" or None" if name == "microbatch_size" else ""))
+        if not isinstance(self.mask_zero_std_groups, bool):
+            fail("mask_zero_std_groups", "a bool")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            fail("temperature", "a finite number > 0")
+
+    def batch_split(self, rows: int) -> tuple[int, int]:
+        """(rows per minibatch, microbatches per minibatch) for a batch of `rows`."""
+        if rows % self.num_minibatches:
+            raise ValueError(f"step.num_minibatches={self.num_minibatches} must divide the "
+                             f"{rows} rows of the batch")
+        minibatch = rows // self.num_minibatches
+        micro = self.microbatch_size or minibatch
+        if minibatch % micro:
+            raise ValueError(f"step.microbatch_size={self.microbatch_size} must divide the "
+                             f"{minibatch} rows of a minibatch")
+        return minibatch, minibatch // micro
+
+
+def generate(sampler: Sampler, params: nnx.State, prompts: Prompts, key: jax.Array) -> Rollout:
+    """G completions per prompt from the policy whose weights are `params` (traceable)."""
+    return sampler.generate_traced(params, prompts, key)
+
+
+def reward_inputs(rollout: Rollout, fields_P: dict[str, jax.Array], rows_P: jax.Array,
+                  group_size: int) -> RewardInputs:
+    """The rollout's rows with each prompt's task fields and dataset row repeated G times."""
+    def repeat(x):
+        return jnp.repeat(jnp.asarray(x), group_size, axis=0)
+
+    return RewardInputs(
+        prompt_ids_BxP=rollout.prompt_ids_BxP, prompt_mask_BxP=rollout.prompt_mask_BxP,
+        completion_ids_BxC=rollout.completion_ids_BxC,
+        completion_mask_BxC=rollout.completion_mask_BxC,
+        fields={k: repeat(v) for k, v in fields_P.items()}, rows_B=repeat(rows_P))
+
+
+def score(rewards: RewardSet, inputs: RewardInputs,
+          host_values: tuple[jax.Array, jax.Array] | None = None,
+          ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(reward_B, reward metrics); Python rewards by callback unless `host_values` are given."""
+    return rewards.score(inputs, host_values)
+
+
+def advantages(cfg: StepConfig, rewards_B: jax.Array, mask_BxC: jax.Array, group_size: int,
+               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(adv_B, loss mask_BxC, metrics): the configured estimator, zero-std groups masked."""
+    if cfg.advantage == "grpo":
+        adv_B = grpo_advantages(rewards_B, group_size, cfg.scale_rewards)
+    elif cfg.advantage == "rloo":
+        adv_B = rloo_advantages(rewards_B, group_size)
+    else:
+        adv_B = dr_grpo_advantages(rewards_B, group_size)
+    mask_BxC = mask_BxC.astype(bool)
+    if cfg.mask_zero_std_groups:
+        mask_BxC = mask_BxC & ~zero_std_groups(rewards_B, group_size)[:, None]
+    return adv_B, mask_BxC, {"rollout/zero_std_frac": zero_std_frac(rewards_B, group_size)}
+
+
+def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) -> Batch:
+    """The arrays `train_on` reads, one row per sample: prompt ⊕ completion and its mask."""
+    return {
+        "ids_BxT": jnp.concatenate([rollout.prompt_ids_BxP, rollout.completion_ids_BxC], 1),
+        "mask_BxT": jnp.concatenate([rollout.prompt_mask_BxP.astype(bool),
+                                     rollout.completion_mask_BxC.astype(bool)], 1),
+        "loss_mask_BxC": loss_mask_BxC, "adv_B": adv_B, "sampler_logp_BxC": rollout.logp_raw_BxC,
+    }
+
+
+def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
+                         ) -> tuple[jax.Array, jax.Array]:
+    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix."""
+    c = batch["loss_mask_BxC"].shape[1]
+    logits_BxTxV = model(batch["ids_BxT"], attention_mask=batch["mask_BxT"])
+    # The logit at position t predicts token t + 1: completion token i is predicted at P - 1 + i.
+    logits_BxCxV = logits_BxTxV[:, -c - 1:-1]
+    targets_BxC = batch["ids_BxT"][:, -c:]
+    return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
+            token_entropy(logits_BxCxV, temperature))
+
+
+def _split(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B / n, ...], slice i holding rows i, i + n, i + 2n, ... (strided)."""
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _unsplit(x: jax.Array) -> jax.Array:
+    """The inverse of `_split`."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: Batch,
+                  num_micro: int, temperature: float) -> jax.Array:
+    """stop_gradient(logp_BxC) of the model `merge(graphdef, *states)`, by microbatches."""
+    def one(mb):
+        # A fresh copy per traced scope: nnx rejects Variables of another trace level.
+        model = nnx.merge(graphdef, *states, copy=True)
+        return completion_log_probs(model, mb, temperature)[0]
+
+    parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
+    return jax.lax.stop_gradient(_unsplit(parts))
+
+
+def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
+             ref_params: nnx.State | None = None,
+             lr_schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
+    """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place.
+
+    Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
+    (and tis/weight_mean), grad_norm (global norm before clipping) and lr (when a schedule is
+    given).
+    """
+    rows, c = batch["loss_mask_BxC"].shape
+    minibatch, num_micro = cfg.batch_split(rows)
+    total_micro = rows // (cfg.microbatch_size or minibatch)
+    model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+    batch = dict(batch, old_logp_BxC=_forward_logp(model_graphdef, (params, rest), batch,
+                                                   total_micro, cfg.temperature))
+    if cfg.loss.beta > 0:
+        if ref_params is None:
+            raise ValueError(f"step.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
+                             f"reference params (train.reference_params)")
+        batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
+                                              total_micro, cfg.temperature)
+    if cfg.loss.tis_cap is None:
+        del batch["sampler_logp_BxC"]
+
+    def loss_fn(model, mb, num_tokens, num_seqs):
+        logp_BxC, entropy_BxC = completion_log_probs(model, mb, cfg.temperature)
+        return policy_loss(
+            logp_BxC, mb["old_logp_BxC"], mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
+            ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
+            entropy_BxT=entropy_BxC, max_completion_len=c, num_tokens=num_tokens,
+            num_seqs=num_seqs)
+
+    graphdef = nnx.graphdef(ts)
+
+    def update(state, mini):
+        ts = nnx.merge(graphdef, state, copy=True)
+        counts_B = jnp.sum(mini["loss_mask_BxC"], axis=1)
+        num_tokens, num_seqs = jnp.sum(counts_B), jnp.sum(counts_B > 0)
+        params = nnx.state(ts.model, nnx.Param)
+
+        def accumulate(carry, mb):
+            model = nnx.merge(graphdef, state, copy=True).model
+            (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+                model, mb, num_tokens, num_seqs)
+            return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+        zero_metrics = jax.eval_shape(
+            lambda mb: loss_fn(nnx.merge(graphdef, state, copy=True).model, mb, num_tokens,
+                               num_seqs)[1],
+            jax.tree.map(lambda x: x[:minibatch // num_micro], mini))
+        zeros = (jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics))
+        (grads, metrics), _ = jax.lax.scan(
+            accumulate, zeros, jax.tree.map(lambda x: _split(x, num_micro), mini))
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        if lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(lr_schedule(ts.step), jnp.float32)
+        ts.apply_gradients(grads)
+        return nnx.state(ts), metrics
+
+    def iteration(state, _):
+        minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches), batch)
+        return jax.lax.scan(update, state, minibatches)
+
+    state, metrics = jax.lax.scan(iteration, nnx.state(ts), None, length=cfg.num_iterations)
+    nnx.update(ts, state)
+    return jax.tree.map(jnp.mean, metrics)
+
+
+def completion_metrics(rollout: Rollout, stop_token_ids: tuple[int, ...],
+                       ) -> dict[str, Any]:
+    """completion/len_mean, completion/clipped_frac (no stop token within the budget) and
+    rollout/num_steps (filled completion columns: decode steps + 1)."""
+    mask_BxC = rollout.completion_mask_BxC.astype(bool)
+    stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
+    stopped_B = jnp.any(mask_BxC & jnp.isin(rollout.completion_ids_BxC, stop_ids), axis=1)
+    return {
+        "completion/len_mean": jnp.mean(jnp.sum(mask_BxC, axis=1), dtype=jnp.float32),
+        "completion/clipped_frac": jnp.mean(mask_BxC[:, -1] & ~stopped_B, dtype=jnp.float32),
+        "rollout/num_steps": rollout.num_steps,
+    }

@@ -1,0 +1,134 @@
+"""The step builder: one RL step (generate -> score -> advantages -> updates) as compiled programs.
+
+    step = build_step(cfg, graphdef, sampler, rewards, optim=optim_cfg, mesh=mesh, rules=train)
+    state, metrics = step(state, prompts, fields_P, rows_P, key)      # state: nnx.split(ts)[1]
+
+Modes (`StepConfig.mode`):
+
+    fused  ONE jitted program, donating the train state: generate, score (Python rewards run
+           through a host callback), advantages, every optimizer update.
+    split  two jitted programs sharing device buffers: (1) generate, (2) score + advantages
+           + updates (donating the train state); between them the host runs
+           `RewardSet.score_host` on the rollout and passes the values to (2).
+
+Both run the same phase functions (`jaxrl.train.phases`) in the same order, so for the same
+seed they give the same parameters. In split mode all of `RewardSet.score` (its JAX rewards
+too) runs in program (2): the set sums JAX and host rewards in one fixed order, which keeps
+the totals bit-identical to the fused program's.
+
+On a mesh the whole program traces under the *train* rules (`use_rules` inside the jitted
+function); the sampler switches to its own rollout rules and reshards the weights itself.
+The new state is pinned to the shardings of its logical axes, so a donated state keeps its
+layout step after step. `fields_P` (in-graph task fields) and `rows_P` (dataset rows, for
+the host fields of Python rewards) are per prompt; they are repeated for the G samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.rl import RewardInputs, RewardSet
+from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.sharding import AxisRules, state_shardings, use_rules
+from jaxrl.train.optimizer import OptimConfig, learning_rate_schedule
+from jaxrl.train.phases import (
+    StepConfig,
+    advantages,
+    completion_metrics,
+    generate,
+    reward_inputs,
+    score,
+    train_batch,
+    train_on,
+)
+
+__all__ = ["Step", "StepConfig", "build_step"]
+
+Metrics = dict[str, jax.Array]
+
+
+class Step:
+    """`step(state, prompts, fields_P, rows_P, key, ref_params=None) -> (new_state, metrics)`.
+
+    `state` is the TrainState's `nnx.State` and is donated (invalid after the call);
+    `ref_params` (`reference_params(ts)`) is needed only when `cfg.loss.beta > 0`. `programs`
+    holds the jitted functions (one when fused, two when split).
+    """
+
+    def __init__(self, cfg: StepConfig, graphdef: nnx.GraphDef, sampler: Sampler,
+                 rewards: RewardSet, *, optim: OptimConfig | None = None,
+                 mesh: Mesh | None = None, rules: AxisRules | None = None):
+        if (mesh is None) != (rules is None):
+            raise ValueError("pass both mesh and rules (the train rule set), or neither")
+        self.cfg, self.graphdef, self.sampler, self.rewards = cfg, graphdef, sampler, rewards
+        self.mesh, self.rules = mesh, rules
+        self._schedule = None if optim is None else learning_rate_schedule(optim)
+        if cfg.mode == "fused":
+            self._fused = jax.jit(self._fused_body, donate_argnums=0)
+            self.programs: tuple[Callable[..., Any], ...] = (self._fused,)
+        else:
+            self._generate = jax.jit(self._generate_body)
+            self._train = jax.jit(self._train_body, donate_argnums=0)
+            self.programs = (self._generate, self._train)
+
+    def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
+                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
+                 ) -> tuple[nnx.State, Metrics]:
+        if self.cfg.mode == "fused":
+            return self._fused(state, prompts, fields_P, rows_P, key, ref_params)
+        rollout, inputs = self._generate(state, prompts, fields_P, rows_P, key)
+        host_values = self.rewards.score_host(inputs) if self.rewards.python_rewards else None
+        return self._train(state, rollout, inputs, host_values, ref_params)
+
+    def _rules(self):
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return use_rules(self.mesh, self.rules)
+
+    def _generate_body(self, state, prompts, fields_P, rows_P, key
+                       ) -> tuple[Rollout, RewardInputs]:
+        with self._rules():
+            model = nnx.merge(self.graphdef, state).model
+            rollout = generate(self.sampler, nnx.state(model), prompts, key)
+            return rollout, reward_inputs(rollout, fields_P, rows_P,
+                                          self.sampler.config.num_generations)
+
+    def _train_body(self, state, rollout, inputs, host_values, ref_params
+                    ) -> tuple[nnx.State, Metrics]:
+        g = self.sampler.config.num_generations
+        with self._rules():
+            ts = nnx.merge(self.graphdef, state)
+            rewards_B, metrics = score(self.rewards, inputs, host_values)
+            adv_B, loss_mask_BxC, adv_metrics = advantages(
+                self.cfg, rewards_B, rollout.completion_mask_BxC, g)
+            metrics.update(adv_metrics)
+            metrics.update(completion_metrics(rollout, self.sampler.config.stop_token_ids))
+            metrics.update(train_on(self.cfg, ts, train_batch(rollout, adv_B, loss_mask_BxC),
+                                    ref_params=ref_params, lr_schedule=self._schedule))
+            new_state = nnx.state(ts)
+            if self.mesh is not None:
+                new_state = jax.lax.with_sharding_constraint(
+                    new_state, state_shardings(new_state, self.mesh, self.rules))
+            return new_state, metrics
+
+    def _fused_body(self, state, prompts, fields_P, rows_P, key, ref_params
+                    ) -> tuple[nnx.State, Metrics]:
+        rollout, inputs = self._generate_body(state, prompts, fields_P, rows_P, key)
+        return self._train_body(state, rollout, inputs, None, ref_params)
+
+
+def build_step(cfg: StepConfig, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet,
+               *, optim: OptimConfig | None = None, mesh: Mesh | None = None,
+               rules: AxisRules | None = None) -> Step:
+    """The RL step of `cfg.mode` for the TrainState `graphdef` (see the module docstring).
+
+    `sampler` is built on `nnx.graphdef(ts.model)` (with the rollout rules on a mesh); `rules`
+    are the train rules; `optim` only adds the `lr` metric.
+    """
+    return Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=mesh, rules=rules)
