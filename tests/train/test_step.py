@@ -134,7 +134,7 @@ def test_fused_step_updates_params_once_per_step_without_recompiling():
                  "rollout/zero_std_frac", "rollout/num_steps", "tis/weight_mean"):
         assert np.isfinite(m[name]), name
     assert m["reward/errors"] == 0 and m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-2)
-    assert 1 <= m["rollout/num_steps"] <= SAMPLER.max_new_tokens
+    assert m["rollout/num_steps"] >= 1 and m["rollout/num_steps"] <= SAMPLER.max_new_tokens
     assert 0 < m["completion/len_mean"] <= SAMPLER.max_new_tokens
     # On-policy first update: the recomputed old log-probs give ratio 1, so nothing is clipped.
     assert m["clip_frac"] == 0
