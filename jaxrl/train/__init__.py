@@ -1,4 +1,4 @@
-"""Training: the optimizer, the sharded train state (and, later, the step builder and loop)."""
+"""Training: the optimizer, the sharded train state and the step builder (the loop comes later)."""
 
 from jaxrl.train.optimizer import (
     OptimConfig,
@@ -7,8 +7,9 @@ from jaxrl.train.optimizer import (
     weight_decay_mask,
 )
 from jaxrl.train.state import TrainState, create_train_state, reference_params
+from jaxrl.train.step import Step, StepConfig, build_step
 
 __all__ = [
-    "OptimConfig", "TrainState", "create_train_state", "learning_rate_schedule",
+    "OptimConfig", "Step", "StepConfig", "TrainState", "build_step", "create_train_state", "learning_rate_schedule",
     "make_optimizer", "reference_params", "weight_decay_mask",
 ]

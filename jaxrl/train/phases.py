@@ -94,6 +94,12 @@ class StepConfig:
             fail("mask_zero_std_groups", "a bool")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             fail("temperature", "a finite number > 0")
+        if self.loss.tis_cap is not None and self.temperature != 1.0:
+            # TIS divides by the sampler's temperature-1 log-probs (logp_raw_BxC); at another
+            # trainer temperature the ratio would compare two different distributions.
+            raise ValueError(f"step.loss.tis_cap needs step.temperature=1.0 (the sampler's "
+                             f"log-probs it corrects are at temperature 1), got "
+                             f"{self.temperature}")
 
     def batch_split(self, rows: int) -> tuple[int, int]:
         """(rows per minibatch, microbatches per minibatch) for a batch of `rows`."""

@@ -114,6 +114,8 @@ def test_config_is_validated_with_field_and_value():
                           (dict(scale_rewards="rows"), "step.scale_rewards.*'rows'")):
         with pytest.raises(ValueError, match=match):
             StepConfig(**kwargs)
+    with pytest.raises(ValueError, match="tis_cap needs step.temperature=1.0.*0.7"):
+        StepConfig(loss=PolicyLossConfig(tis_cap=2.0), temperature=0.7)
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):
         StepConfig(num_minibatches=3).batch_split(16)
     with pytest.raises(ValueError, match="microbatch_size=3 must divide the 8 rows"):
