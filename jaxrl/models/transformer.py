@@ -111,6 +111,21 @@ class Transformer(nnx.Module):
             positions = default_positions(attention_mask)
         return self.forward_embeddings(self.embed_tokens(input_ids), positions, attention_mask)
 
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """The final-norm hidden states [B, T, E] (compute dtype) that `__call__` projects to
+        logits with `output_embedding()`: for losses that never materialise [B, T, V]."""
+        positions = default_positions(attention_mask)
+        mask_BxTxS = causal_mask(attention_mask, self.config.sliding_window)
+        x_BxTxE, _ = self._layers(self.embed_tokens(input_ids), positions, mask_BxTxS, None)
+        return self.final_norm(x_BxTxE)
+
+    def output_embedding(self) -> jax.Array:
+        """The output projection [E, V] in the compute dtype (embed^T when tied)."""
+        dt = self.config.compute_dtype
+        if self.config.tie_word_embeddings:
+            return self.embed[...].astype(dt).T
+        return self.lm_head[...].astype(dt)
+
     def embed_tokens(self, input_ids_BxT: jax.Array) -> jax.Array:
         x_BxTxE = self.embed[...][input_ids_BxT].astype(self.config.compute_dtype)
         return constrain(x_BxTxE, ("batch", "seq", "act_embed"))

@@ -2,6 +2,7 @@
 
     rollout          = generate(sampler, policy weights, prompts, key)
     r_B, metrics     = score(rewards, reward_inputs(rollout, fields_P, rows_P))
+    r_B              = shape_rewards(cfg, r_B, completion mask)     DAPO overlong penalty, if on
     adv_B, mask_BxC  = advantages(cfg, r_B, completion mask)        zero-std groups masked out
     train_on(cfg, train_state, batch):
         old_logp = stop_gradient(logp of the policy before any update)    one forward per step
@@ -42,8 +43,10 @@ from jaxrl.rl import (
     PolicyLossConfig,
     RewardInputs,
     RewardSet,
+    chunked_log_probs_and_entropy,
     dr_grpo_advantages,
     grpo_advantages,
+    overlong_penalty,
     policy_loss,
     rloo_advantages,
     token_entropy,
@@ -73,10 +76,12 @@ class StepConfig:
     mask_zero_std_groups: bool = False  # drop groups whose rewards are all equal from the loss
     mode: StepMode = "fused"
     temperature: float = 1.0  # of the trainer's log-probs (old, new, reference)
+    logprob_chunk_size: int | None = None  # vocabulary columns per chunk; None: whole logits
+    overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
 
     def __post_init__(self):
         def fail(name: str, requirement: str):
-            raise ValueError(f"step.{name} must be {requirement}, got {getattr(self, name)!r}")
+            raise ValueError(f"algo.{name} must be {requirement}, got {getattr(self, name)!r}")
 
         for name, choices in (("advantage", AdvantageEstimator), ("mode", StepMode),
                               ("scale_rewards", ScaleRewards)):
@@ -84,12 +89,14 @@ class StepConfig:
                 fail(name, f"one of {typing.get_args(choices)}")
         if not isinstance(self.loss, PolicyLossConfig):
             fail("loss", "a PolicyLossConfig")
-        for name in ("num_iterations", "num_minibatches", "microbatch_size"):
+        for name in ("num_iterations", "num_minibatches", "microbatch_size",
+                     "logprob_chunk_size", "overlong_buffer"):
             value = getattr(self, name)
-            if name == "microbatch_size" and value is None:
+            optional = name in ("microbatch_size", "logprob_chunk_size", "overlong_buffer")
+            if optional and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(name, "an integer >= 1" + (" or None" if name == "microbatch_size" else ""))
+                fail(name, "an integer >= 1" + (" or None" if optional else ""))
         if not isinstance(self.mask_zero_std_groups, bool):
             fail("mask_zero_std_groups", "a bool")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -97,19 +104,19 @@ class StepConfig:
         if self.loss.tis_cap is not None and self.temperature != 1.0:
             # TIS divides by the sampler's temperature-1 log-probs (logp_raw_BxC); at another
             # trainer temperature the ratio would compare two different distributions.
-            raise ValueError(f"step.loss.tis_cap needs step.temperature=1.0 (the sampler's "
+            raise ValueError(f"algo.loss.tis_cap needs algo.temperature=1.0 (the sampler's "
                              f"log-probs it corrects are at temperature 1), got "
                              f"{self.temperature}")
 
     def batch_split(self, rows: int) -> tuple[int, int]:
         """(rows per minibatch, microbatches per minibatch) for a batch of `rows`."""
         if rows % self.num_minibatches:
-            raise ValueError(f"step.num_minibatches={self.num_minibatches} must divide the "
+            raise ValueError(f"algo.num_minibatches={self.num_minibatches} must divide the "
                              f"{rows} rows of the batch")
         minibatch = rows // self.num_minibatches
         micro = self.microbatch_size or minibatch
         if minibatch % micro:
-            raise ValueError(f"step.microbatch_size={self.microbatch_size} must divide the "
+            raise ValueError(f"algo.microbatch_size={self.microbatch_size} must divide the "
                              f"{minibatch} rows of a minibatch")
         return minibatch, minibatch // micro
 
@@ -139,6 +146,21 @@ def score(rewards: RewardSet, inputs: RewardInputs,
     return rewards.score(inputs, host_values)
 
 
+def shape_rewards(cfg: StepConfig, rewards_B: jax.Array, completion_mask_BxC: jax.Array,
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """rewards_B + DAPO's overlong penalty (`overlong_penalty`, soft zone = the last
+    `cfg.overlong_buffer` tokens of the completion budget C) when it is on."""
+    if cfg.overlong_buffer is None:
+        return rewards_B, {}
+    budget = completion_mask_BxC.shape[1]
+    if cfg.overlong_buffer > budget:
+        raise ValueError(f"algo.overlong_buffer={cfg.overlong_buffer} must be at most the "
+                         f"completion budget of {budget} tokens (rollout.max_new_tokens)")
+    lengths_B = jnp.sum(completion_mask_BxC.astype(jnp.int32), axis=1)
+    penalty_B = overlong_penalty(lengths_B, budget, cfg.overlong_buffer)
+    return rewards_B + penalty_B, {"reward/overlong": jnp.mean(penalty_B)}
+
+
 def advantages(cfg: StepConfig, rewards_B: jax.Array, mask_BxC: jax.Array, group_size: int,
                ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(adv_B, loss mask_BxC, metrics): the configured estimator, zero-std groups masked."""
@@ -165,13 +187,22 @@ def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) ->
 
 
 def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
-                         ) -> tuple[jax.Array, jax.Array]:
-    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix."""
+                         chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
+
+    With `chunk_size` the vocabulary projection runs in chunks of that many columns
+    (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once.
+    """
     c = batch["loss_mask_BxC"].shape[1]
-    logits_BxTxV = model(batch["ids_BxT"], attention_mask=batch["mask_BxT"])
-    # The logit at position t predicts token t + 1: completion token i is predicted at P - 1 + i.
-    logits_BxCxV = logits_BxTxV[:, -c - 1:-1]
     targets_BxC = batch["ids_BxT"][:, -c:]
+    # The logit at position t predicts token t + 1: completion token i is predicted at P - 1 + i.
+    if chunk_size is not None:
+        hidden_BxTxE = model.hidden_states(batch["ids_BxT"], batch["mask_BxT"])
+        return chunked_log_probs_and_entropy(
+            hidden_BxTxE[:, -c - 1:-1], model.output_embedding(), targets_BxC,
+            temperature=temperature, chunk_size=chunk_size)
+    logits_BxTxV = model(batch["ids_BxT"], attention_mask=batch["mask_BxT"])
+    logits_BxCxV = logits_BxTxV[:, -c - 1:-1]
     return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
             token_entropy(logits_BxCxV, temperature))
 
@@ -187,12 +218,12 @@ def _unsplit(x: jax.Array) -> jax.Array:
 
 
 def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: Batch,
-                  num_micro: int, temperature: float) -> jax.Array:
+                  num_micro: int, temperature: float, chunk_size: int | None) -> jax.Array:
     """stop_gradient(logp_BxC) of the model `merge(graphdef, *states)`, by microbatches."""
     def one(mb):
         # A fresh copy per traced scope: nnx rejects Variables of another trace level.
         model = nnx.merge(graphdef, *states, copy=True)
-        return completion_log_probs(model, mb, temperature)[0]
+        return completion_log_probs(model, mb, temperature, chunk_size)[0]
 
     parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
     return jax.lax.stop_gradient(_unsplit(parts))
@@ -212,18 +243,21 @@ def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
     total_micro = rows // (cfg.microbatch_size or minibatch)
     model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
     batch = dict(batch, old_logp_BxC=_forward_logp(model_graphdef, (params, rest), batch,
-                                                   total_micro, cfg.temperature))
+                                                   total_micro, cfg.temperature,
+                                                   cfg.logprob_chunk_size))
     if cfg.loss.beta > 0:
         if ref_params is None:
-            raise ValueError(f"step.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
+            raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
                              f"reference params (train.reference_params)")
         batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
-                                              total_micro, cfg.temperature)
+                                              total_micro, cfg.temperature,
+                                              cfg.logprob_chunk_size)
     if cfg.loss.tis_cap is None:
         del batch["sampler_logp_BxC"]
 
     def loss_fn(model, mb, num_tokens, num_seqs):
-        logp_BxC, entropy_BxC = completion_log_probs(model, mb, cfg.temperature)
+        logp_BxC, entropy_BxC = completion_log_probs(model, mb, cfg.temperature,
+                                                     cfg.logprob_chunk_size)
         return policy_loss(
             logp_BxC, mb["old_logp_BxC"], mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
             ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),

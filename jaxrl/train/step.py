@@ -44,6 +44,7 @@ from jaxrl.train.phases import (
     generate,
     reward_inputs,
     score,
+    shape_rewards,
     train_batch,
     train_on,
 )
@@ -105,6 +106,9 @@ class Step:
         with self._rules():
             ts = nnx.merge(self.graphdef, state)
             rewards_B, metrics = score(self.rewards, inputs, host_values)
+            rewards_B, shaping_metrics = shape_rewards(self.cfg, rewards_B,
+                                                       rollout.completion_mask_BxC)
+            metrics.update(shaping_metrics)
             adv_B, loss_mask_BxC, adv_metrics = advantages(
                 self.cfg, rewards_B, rollout.completion_mask_BxC, g)
             metrics.update(adv_metrics)

@@ -324,3 +324,14 @@ def test_bf16_compute_with_fp32_params_stays_close_to_fp32(family):
     assert logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
     _close(logits, _forward(nnx.graphdef(fp32))(nnx.state(fp32), ids, mask), mask, BF16_RTOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied output projection
+def test_hidden_states_times_output_embedding_are_the_logits(family):
+    config = make_tiny_config(family)
+    model = _model(config)
+    ids, mask, _ = _batch(config)
+    logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    hidden = model.hidden_states(jnp.asarray(ids), jnp.asarray(mask))
+    assert hidden.shape == (*ids.shape, config.hidden_size)
+    _close(jnp.einsum("bte,ev->btv", hidden, model.output_embedding()), logits, mask)

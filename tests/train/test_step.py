@@ -17,7 +17,7 @@ from jaxrl.rl import JaxReward, PolicyLossConfig, PythonReward, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.train import OptimConfig, create_train_state, reference_params
-from jaxrl.train.phases import advantages, completion_metrics
+from jaxrl.train.phases import advantages, completion_metrics, shape_rewards
 from jaxrl.train.step import StepConfig, build_step
 from tests.conftest import make_tiny_config
 
@@ -106,15 +106,17 @@ def _assert_close(a, b, tol=2e-5):
 
 
 def test_config_is_validated_with_field_and_value():
-    for kwargs, match in ((dict(advantage="ppo"), "step.advantage.*'ppo'"),
-                          (dict(num_iterations=0), "step.num_iterations.*0"),
-                          (dict(num_minibatches=True), "step.num_minibatches.*True"),
-                          (dict(microbatch_size=0), "step.microbatch_size.*0"),
-                          (dict(mode="async"), "step.mode.*'async'"),
-                          (dict(scale_rewards="rows"), "step.scale_rewards.*'rows'")):
+    for kwargs, match in ((dict(advantage="ppo"), "algo.advantage.*'ppo'"),
+                          (dict(num_iterations=0), "algo.num_iterations.*0"),
+                          (dict(num_minibatches=True), "algo.num_minibatches.*True"),
+                          (dict(microbatch_size=0), "algo.microbatch_size.*0"),
+                          (dict(mode="async"), "algo.mode.*'async'"),
+                          (dict(scale_rewards="rows"), "algo.scale_rewards.*'rows'"),
+                          (dict(logprob_chunk_size=0), "algo.logprob_chunk_size.*0"),
+                          (dict(overlong_buffer=-1), "algo.overlong_buffer.*-1")):
         with pytest.raises(ValueError, match=match):
             StepConfig(**kwargs)
-    with pytest.raises(ValueError, match="tis_cap needs step.temperature=1.0.*0.7"):
+    with pytest.raises(ValueError, match="tis_cap needs algo.temperature=1.0.*0.7"):
         StepConfig(loss=PolicyLossConfig(tis_cap=2.0), temperature=0.7)
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):
         StepConfig(num_minibatches=3).batch_split(16)
@@ -206,3 +208,27 @@ def test_advantages_mask_zero_std_groups_and_completion_metrics_by_hand():
     # Row 1 filled the budget without a stop token; row 2 stopped on the last column.
     assert m["completion/clipped_frac"] == 0.25
     assert m["completion/len_mean"] == 2.25 and m["rollout/num_steps"] == 3
+
+
+def test_chunked_log_probs_give_the_same_step():
+    # 40 columns per chunk: the 96-token vocabulary is 3 chunks, the last one padded.
+    chunked = _run(dataclasses.replace(BASE, logprob_chunk_size=40))
+    full = _fused()
+    _assert_close(chunked[0][0], full[0][0])
+    for name in ("loss/policy", "entropy", "grad_norm", "tis/weight_mean"):
+        np.testing.assert_allclose(chunked[2][0][name], full[2][0][name], rtol=1e-5, atol=1e-6)
+
+
+def test_overlong_shaping_by_hand():
+    rewards_B = jnp.array([1.0, 1.0, 0.5, 0.0])
+    # Lengths 2, 3, 4, 4 of a budget of 4 with a soft zone of the last 2 tokens:
+    # penalties 0 (at the zone's start), -1/2, -1 (truncated), -1.
+    mask_BxC = jnp.arange(4)[None, :] < jnp.array([2, 3, 4, 4])[:, None]
+    shaped_B, metrics = shape_rewards(StepConfig(overlong_buffer=2), rewards_B, mask_BxC)
+    np.testing.assert_allclose(shaped_B, [1.0, 0.5, -0.5, -1.0])
+    assert metrics["reward/overlong"] == pytest.approx(-0.625)
+    unshaped_B, metrics = shape_rewards(StepConfig(), rewards_B, mask_BxC)
+    np.testing.assert_array_equal(unshaped_B, rewards_B)
+    assert metrics == {}
+    with pytest.raises(ValueError, match="overlong_buffer=5 must be at most.*4 tokens"):
+        shape_rewards(StepConfig(overlong_buffer=5), rewards_B, mask_BxC)
