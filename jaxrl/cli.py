@@ -12,11 +12,12 @@ import sys
 
 from rich.console import Console
 
-from jaxrl.config import ConfigError, load_config
+from jaxrl.config import ConfigError, load_config, shipped_config
 from jaxrl.models.config import UnsupportedModelError
 from jaxrl.models.hf_io import CheckpointError
 from jaxrl.runtime import configure_xla
 from jaxrl.sharding.layout import LayoutError
+from jaxrl.train.loop import RunDirError
 
 EXIT_CONFIG_ERROR = 2
 
@@ -37,9 +38,21 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.train import run_train
+    from jaxrl.train.experiment import ExperimentConfig
+
+    # Without a config file, train runs the quickstart (shipped inside the package).
+    path = args.config or str(shipped_config("quickstart.yaml"))
+    summary = run_train(load_config(ExperimentConfig, path, args.overrides), console, path)
+    print(json.dumps(summary))
+    return 0
+
+
 COMMANDS = {
     "check": (_check, "build a model on the device mesh, print its layout, run a sharded forward"),
     "generate": (_generate, "sample completions from a model directory for a few prompts"),
+    "train": (_train, "run an RL experiment (GRPO family) from a config and overrides"),
 }
 
 
@@ -67,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         console.print(f"[bold red]config error[/]: {e}")
         return EXIT_CONFIG_ERROR
-    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError) as e:
+    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError,
+            RunDirError) as e:
         console.print(f"[bold red]error[/]: {e}")
         return EXIT_CONFIG_ERROR
 

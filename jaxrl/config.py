@@ -68,6 +68,17 @@ class RolloutSection:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
+def shipped_config(name: str) -> Path:
+    """A config shipped with jaxrl (`quickstart.yaml`): the installed copy, else the
+    repository's top-level `configs/` (a source checkout or an editable install)."""
+    here = Path(__file__).resolve().parent
+    for directory in (here / "configs", here.parent / "configs"):
+        if (directory / name).is_file():
+            return directory / name
+    raise ConfigError(f"no shipped config {name!r} (looked in {here / 'configs'} and "
+                      f"{here.parent / 'configs'})")
+
+
 def load_config(schema: type[T], path: str | Path | None = None,
                 overrides: Sequence[str] = ()) -> T:
     """The `schema` instance from a YAML file and `key.sub=value` overrides (later wins)."""

@@ -17,7 +17,13 @@ from flax import nnx
 from rich.console import Console
 
 from jaxrl.config import ModelSection, RolloutSection, ShardingSection
-from jaxrl.data.tokenizer import decode_completions, encode_prompts, load_tokenizer, pad_token_id
+from jaxrl.data.tokenizer import (
+    decode_completions,
+    encode_prompts,
+    load_tokenizer,
+    pad_token_id,
+    stop_token_ids,
+)
 from jaxrl.models import from_pretrained
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh
@@ -40,16 +46,6 @@ class GenerateConfig:
     sharding: ShardingSection = dataclasses.field(default_factory=ShardingSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
     generate: GenerateSection = dataclasses.field(default_factory=GenerateSection)
-
-
-def stop_token_ids(tokenizer, model_config, extra: list[int]) -> tuple[int, ...]:
-    """EOS ids of the tokenizer and of the model config, plus the configured ones."""
-    ids = set(extra)
-    for source in (tokenizer.eos_token_id, model_config.eos_token_id):
-        if source is None:
-            continue
-        ids.update(source if isinstance(source, (tuple, list)) else [source])
-    return tuple(sorted(int(i) for i in ids))
 
 
 def run_generate(cfg: GenerateConfig, console: Console) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -67,6 +68,17 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, ids_BxC: np.ndarray,
     return [tokenizer.decode([int(t) for t, m in zip(ids, mask, strict=True) if m],
                              skip_special_tokens=True)
             for ids, mask in zip(np.asarray(ids_BxC), np.asarray(mask_BxC), strict=True)]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
+                   extra: Sequence[int]) -> tuple[int, ...]:
+    """EOS ids of the tokenizer and of the model config, plus the configured ones."""
+    ids = set(extra)
+    for source in (tokenizer.eos_token_id, model_config.eos_token_id):
+        if source is None:
+            continue
+        ids.update(source if isinstance(source, (tuple, list)) else [source])
+    return tuple(sorted(int(i) for i in ids))
 
 
 def make_char_tokenizer(alphabet: str, *, extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:

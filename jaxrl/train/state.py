@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.sharding import AxisRules, create_sharded
+from jaxrl.sharding import AxisRules, create_sharded, state_shardings
 from jaxrl.train.optimizer import OptimConfig, make_optimizer, weight_decay_mask
 
 
@@ -50,6 +50,27 @@ def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimCo
     mask = weight_decay_mask(nnx.state(nnx.eval_shape(build_model), nnx.Param))
     tx = make_optimizer(optim_cfg, mask)
     return create_sharded(lambda: TrainState(build_model(), tx), mesh, rules)
+
+
+def train_state_from_model(model: nnx.Module, optim_cfg: OptimConfig, mesh: Mesh,
+                           rules: AxisRules) -> TrainState:
+    """A TrainState around an already built (loaded) policy, its optimizer state created
+    straight into `rules` on `mesh`.
+
+    The model's arrays are donated to the program that builds the state: `model` must not be
+    used afterwards (use the returned state's `.model`).
+    """
+    mask = weight_decay_mask(nnx.state(model, nnx.Param))
+    tx = make_optimizer(optim_cfg, mask)
+    graphdef, state = nnx.split(model)
+
+    def build(state):
+        return nnx.split(TrainState(nnx.merge(graphdef, state), tx))
+
+    ts_graphdef, abstract = jax.eval_shape(build, state)
+    shardings = state_shardings(abstract, mesh, rules)
+    out = jax.jit(lambda s: build(s)[1], out_shardings=shardings, donate_argnums=0)(state)
+    return nnx.merge(ts_graphdef, out)
 
 
 def reference_params(state: TrainState) -> nnx.State:

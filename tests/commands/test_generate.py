@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
-from jaxrl.commands.generate import GenerateConfig, run_generate, stop_token_ids
+from jaxrl.commands.generate import GenerateConfig, run_generate
 from jaxrl.config import load_config
-from jaxrl.data.tokenizer import make_char_tokenizer
+from jaxrl.data.tokenizer import make_char_tokenizer, stop_token_ids
 from jaxrl.models import Transformer, save_pretrained
 from jaxrl.models.config import tiny_config
 

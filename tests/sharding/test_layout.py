@@ -164,7 +164,7 @@ def test_wheel_ships_presets_and_every_module(tmp_path):
     # Build from a copy so no build/ or egg-info lands in the working tree.
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in ("jaxrl", "sharding"):
+    for name in ("jaxrl", "sharding", "configs"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
@@ -180,6 +180,9 @@ def test_wheel_ships_presets_and_every_module(tmp_path):
     assert presets
     missing = [p for p in presets if f"jaxrl/sharding/presets/{p}" not in names]
     assert not missing, f"presets missing from the wheel: {missing}"
+    configs = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    missing = [c for c in configs if f"jaxrl/configs/{c}" not in names]
+    assert "quickstart.yaml" in configs and not missing, f"configs missing: {missing}"
     # pyproject.toml lists jaxrl's packages by hand: a new subpackage must be added there.
     modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jaxrl").rglob("*.py")
                      if "__pycache__" not in p.parts)
@@ -191,8 +194,11 @@ def test_wheel_ships_presets_and_every_module(tmp_path):
                     str(wheel)], check=True, env=env, cwd=tmp_path)
     env["PYTHONPATH"] = str(site)
     code = ("import jaxrl; from jaxrl.sharding import available_presets, load_layout; "
-            "load_layout('fsdp'); print(jaxrl.__file__); print(*available_presets())")
+            "from jaxrl.config import shipped_config; "
+            "load_layout('fsdp'); print(jaxrl.__file__); print(*available_presets()); "
+            "print(shipped_config('quickstart.yaml'))")
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path,
                          capture_output=True, text=True).stdout.splitlines()
     assert Path(out[0]).is_relative_to(site)  # the installed copy, not the checkout
     assert out[1].split() == [Path(p).stem for p in presets]
+    assert Path(out[2]).is_relative_to(site)  # `jaxrl train` without a config finds it

@@ -1,0 +1,146 @@
+"""The experiment config of `jaxrl train`: one frozen dataclass per section.
+
+    model     which policy: a local HF directory, or (path: null) a random one of `model.init`
+    sharding  the layout preset (mesh shape + rule sets)
+    rollout   sampling: group size, completion budget, temperature / top-k / top-p
+    algo      what one RL step computes (`StepConfig`: advantages, loss, updates, fused/split)
+    optim     AdamW, schedule, clipping (`OptimConfig`)
+    data      the task (prompts + verifier rewards) and how prompts are batched
+    train     run directory, steps, seed, the final evaluation
+    log       TensorBoard, the reward plot, progress lines
+
+`load_config(ExperimentConfig, path, overrides)` fills it from YAML and dotted overrides; every
+section validates itself in `__post_init__`, so a bad value fails before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Literal
+
+from jaxrl.config import ModelSection, RolloutSection, ShardingSection
+from jaxrl.train.optimizer import OptimConfig
+from jaxrl.train.phases import StepConfig
+
+TaskName = Literal["addition", "gsm8k"]
+
+
+def _fail(section: str, obj: object, name: str, requirement: str) -> typing.NoReturn:
+    raise ValueError(f"{section}.{name} must be {requirement}, got {getattr(obj, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSection:
+    """A random policy made from scratch (used when `model.path` is null): sizes and family."""
+
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "qwen2"
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads"):
+            if getattr(self, name) < 1:
+                _fail("model.init", self, name, ">= 1")
+        if self.hidden_size % self.num_heads:
+            _fail("model.init", self, "hidden_size",
+                  f"a multiple of num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            _fail("model.init", self, "num_heads",
+                  f"a multiple of num_kv_heads={self.num_kv_heads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainModelSection(ModelSection):
+    init: InitSection = dataclasses.field(default_factory=InitSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Which task (prompt rendering + verifier rewards) and where its prompts come from."""
+
+    task: TaskName = "addition"
+    source: str | None = None  # a .jsonl/.json/.parquet file; null: the task makes its own
+    prompt_column: str = "prompt"  # gsm8k: the question column
+    answer_column: str = "answer"
+    chat_template: bool = True  # render prompts with the tokenizer's template if it has one
+    max_prompt_len: int = 256  # longer prompts are dropped (and counted), never truncated
+    batch_size: int = 32  # prompts per step (x rollout.num_generations samples)
+    num_digits: int = 2  # addition: operand digits
+    num_prompts: int = 20_000  # synthetic tasks: prompts generated for training
+    format_weight: float = 0.0  # gsm8k: weight of the \boxed{} format reward (0: off)
+
+    def __post_init__(self):
+        for name in ("max_prompt_len", "batch_size", "num_prompts"):
+            if getattr(self, name) < 1:
+                _fail("data", self, name, ">= 1")
+        if not 1 <= self.num_digits <= 18:
+            _fail("data", self, "num_digits", "in [1, 18]")
+        if self.task == "gsm8k" and not self.source:
+            raise ValueError("data.source must name a .jsonl/.json/.parquet file of questions "
+                             "and answers for data.task=gsm8k, got None")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    run_dir: str | None = None  # null: runs/<config name>-<date-time>
+    max_steps: int = 100
+    seed: int = 0
+    eval_prompts: int = 1000  # fresh prompts for the greedy evaluation at the end (0: none)
+    eval_batch_size: int = 250
+    target_reward: float | None = None  # report when the 20-step mean reward first reaches it
+
+    def __post_init__(self):
+        if self.max_steps < 1:
+            _fail("train", self, "max_steps", ">= 1")
+        if self.seed < 0:
+            _fail("train", self, "seed", ">= 0")
+        if self.eval_prompts < 0:
+            _fail("train", self, "eval_prompts", ">= 0")
+        if self.eval_batch_size < 1:
+            _fail("train", self, "eval_batch_size", ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+    tensorboard: bool = True  # <run_dir>/tensorboard, besides metrics.jsonl (always written)
+    plot: bool = True  # <run_dir>/reward.png at the end
+    print_every: int = 50  # a progress line every N steps when stderr is not a terminal
+
+    def __post_init__(self):
+        if self.print_every < 1:
+            _fail("log", self, "print_every", ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: TrainModelSection = dataclasses.field(default_factory=TrainModelSection)
+    sharding: ShardingSection = dataclasses.field(default_factory=ShardingSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    algo: StepConfig = dataclasses.field(default_factory=StepConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    log: LogSection = dataclasses.field(default_factory=LogSection)
+
+    def __post_init__(self):
+        if self.algo.advantage in ("grpo", "rloo") and self.rollout.num_generations < 2:
+            raise ValueError(f"rollout.num_generations must be >= 2 for algo.advantage="
+                             f"{self.algo.advantage} (a group baseline needs two samples), "
+                             f"got {self.rollout.num_generations}")
+        buffer = self.algo.overlong_buffer
+        if buffer is not None and buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer={buffer} must be at most "
+                             f"rollout.max_new_tokens={self.rollout.max_new_tokens} (the soft "
+                             f"zone lies inside the completion budget)")
+        rows = self.data.batch_size * self.rollout.num_generations
+        try:
+            self.algo.batch_split(rows)
+        except ValueError as e:
+            raise ValueError(f"algo.{str(e).removeprefix('step.')} (data.batch_size x "
+                             f"rollout.num_generations)") from None

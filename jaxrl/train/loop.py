@@ -1,0 +1,173 @@
+"""The training loop: build a run from its config, step it, log it, evaluate it.
+
+    run = build_run(cfg, run_dir)        mesh, tokenizer, policy, task, prompts, rewards, step
+    for step in range(max_steps):
+        dispatch step N                  (returns at once: JAX runs it asynchronously)
+        fetch step N-1's metrics         the device already works on N while the host logs
+    evaluate greedily on fresh prompts, plot the reward, print the summary
+
+The host never waits on the device inside the loop except to fetch metrics one step late
+(nanodo's pattern), so host work (next batch, logging) overlaps device work. Step N-1's
+`time/step_s` is the interval between the moments its metrics and step N-2's reached the
+host: in steady state that is the device time per step; step 0's includes compilation.
+`time/elapsed_s` counts from the first dispatch. With `train.target_reward` set, the summary
+says when the moving average of reward/mean over TARGET_WINDOW steps first reached it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxrl.config import to_yaml
+from jaxrl.train.evaluate import evaluate
+from jaxrl.train.experiment import ExperimentConfig
+from jaxrl.train.metrics_log import (
+    PLOT_FILE,
+    MetricsLog,
+    moving_average,
+    plot_rewards,
+    summary_table,
+    to_record,
+)
+from jaxrl.train.run import Run, build_run
+
+__all__ = ["RunDirError", "train"]
+
+TARGET_WINDOW = 20  # steps averaged when checking train.target_reward
+
+
+class RunDirError(ValueError):
+    """The run directory already holds a run."""
+
+
+def prepare_run_dir(cfg: ExperimentConfig, name: str) -> Path:
+    """The run directory (created), refusing one whose metrics.jsonl already exists."""
+    run_dir = Path(cfg.train.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (run_dir / "metrics.jsonl").exists():
+        raise RunDirError(f"train.run_dir {str(run_dir)!r} already holds a run (metrics.jsonl); "
+                          f"choose a new train.run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    return run_dir
+
+
+def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict[str, Any]:
+    """Runs the experiment `cfg`; returns the summary (also printed as a table)."""
+    start = time.perf_counter()
+    run_dir = prepare_run_dir(cfg, name)
+    console.print(f"[bold]run dir[/]: {run_dir}")
+    run = build_run(cfg, run_dir, console)
+    setup_s = time.perf_counter() - start
+    log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard)
+    try:
+        train_s = _loop(cfg, run, log, console)
+    finally:
+        log.close()
+    summary = _summary(cfg, run, log.records, setup_s, train_s)
+    if cfg.train.eval_prompts and run.task.eval_rows is not None:
+        result = evaluate(run, cfg.train.eval_prompts, cfg.train.eval_batch_size,
+                          seed=cfg.train.seed)
+        summary.update(result)
+        log.write_scalars(cfg.train.max_steps, result)
+        (run_dir / "eval.json").write_text(
+            json.dumps({"step": cfg.train.max_steps, **result}) + "\n", encoding="utf-8")
+    if cfg.log.plot and log.records:
+        summary["plot"] = str(plot_rewards(log.records, run_dir / PLOT_FILE,
+                                           title=f"{name}: {run.task.name}",
+                                           target=cfg.train.target_reward))
+    console.print(summary_table(summary))
+    return summary
+
+
+def _loop(cfg: ExperimentConfig, run: Run, log: MetricsLog, console: Console) -> float:
+    """All steps; returns the seconds from the first dispatch to the last metrics."""
+    state = run.state
+    key = jax.random.key(cfg.train.seed)
+    progress = Progress(
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+        console=console, disable=not console.is_terminal)
+    bar = progress.add_task("train", total=cfg.train.max_steps, status="compiling...")
+    pending: tuple[int, dict[str, jax.Array]] | None = None
+    last_fetch = start = time.perf_counter()
+
+    def record(step: int, metrics: dict[str, jax.Array]) -> None:
+        nonlocal last_fetch
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        step_s, last_fetch = now - last_fetch, now
+        host["time/step_s"] = step_s
+        host["time/elapsed_s"] = now - start
+        tokens = float(host["completion/len_mean"]) * run.rows
+        host["perf/tokens_per_s"] = tokens / step_s
+        line = to_record(step, host)
+        log.write(line)
+        status = (f"reward {line['reward/mean']:.3f}  {step_s * 1e3:.0f} ms/step  "
+                  f"{line['perf/tokens_per_s']:.0f} tok/s")
+        progress.update(bar, completed=step + 1, status=status)
+        if not console.is_terminal and (step % cfg.log.print_every == 0
+                                        or step == cfg.train.max_steps - 1):
+            console.print(f"step {step + 1}/{cfg.train.max_steps}  {status}  "
+                          f"({now - start:.0f}s)")
+
+    with progress:
+        for step in range(cfg.train.max_steps):
+            batch = next(run.batches)
+            state, metrics = run.step(state, *run.place(batch),
+                                      jax.random.fold_in(key, step), run.ref_params)
+            if pending is not None:
+                record(*pending)
+            pending = (step, metrics)
+        record(*pending)
+    run.state = state
+    return time.perf_counter() - start
+
+
+def _summary(cfg: ExperimentConfig, run: Run, records: list[dict[str, float]], setup_s: float,
+             train_s: float) -> dict[str, Any]:
+    """What the run did, for the table and the final JSON line (snake_case keys)."""
+    rewards_N = np.array([r["reward/mean"] for r in records])
+    later = records[1:] or records  # step 0's time includes compilation
+    window = max(1, len(records) // 20)
+    return {
+        "run_dir": str(run.run_dir),
+        "steps": len(records),
+        "setup_s": setup_s,
+        "train_s": train_s,
+        "first_step_s": records[0]["time/step_s"],
+        "median_step_s": float(np.median([r["time/step_s"] for r in later])),
+        "tokens_per_s": float(np.median([r["perf/tokens_per_s"] for r in later])),
+        "step_compilations": _compilations(run),
+        "reward_first": float(rewards_N[0]),
+        "reward_last": float(rewards_N[-window:].mean()),
+        "reward_last_window": window,
+        "reward_best": float(rewards_N.max()),
+        **_target(cfg.train.target_reward, records),
+    }
+
+
+def _target(target: float | None, records: list[dict[str, float]]) -> dict[str, Any]:
+    """When the moving average of reward/mean over TARGET_WINDOW steps first reached `target`."""
+    if target is None:
+        return {}
+    average_N = moving_average([r["reward/mean"] for r in records], TARGET_WINDOW)
+    hits = np.flatnonzero((average_N >= target) & (np.arange(len(records)) >= TARGET_WINDOW - 1))
+    if not len(hits):
+        return {"target_reward": target, "target_reached": False}
+    first = records[int(hits[0])]
+    return {"target_reward": target, "target_reached": True, "target_step": first["step"],
+            "target_elapsed_s": first["time/elapsed_s"]}
+
+
+def _compilations(run: Run) -> int | None:
+    """Programs compiled for the step so far (1 per program when nothing recompiled)."""
+    sizes = [getattr(p, "_cache_size", None) for p in run.step.programs]
+    return None if None in sizes else sum(size() for size in sizes)

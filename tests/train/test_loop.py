@@ -1,0 +1,162 @@
+"""The training loop in process on 8 devices: run directory contents, metrics one step late,
+one compilation per program, determinism, the summary and the greedy evaluation."""
+
+import json
+import struct
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.config import load_config
+from jaxrl.data.tokenizer import load_tokenizer
+from jaxrl.models import from_pretrained
+from jaxrl.train import loop
+from jaxrl.train.experiment import ExperimentConfig
+from jaxrl.train.metrics_log import moving_average, read_metrics
+from tests.test_shipped_configs import ROOT
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+# The quickstart shrunk to a few seconds on the 8-device test mesh.
+SMALL = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
+         "rollout.num_generations=4", "algo.num_minibatches=2", "train.max_steps=3",
+         "train.eval_prompts=20", "train.eval_batch_size=8", "log.print_every=1",
+         "train.target_reward=0.0"]
+TIMING = ("time/step_s", "time/elapsed_s", "perf/tokens_per_s")
+
+
+def _config(tmp_path, *overrides):
+    return load_config(ExperimentConfig, QUICKSTART,
+                       [*SMALL, f"train.run_dir={tmp_path / 'run'}", *overrides])
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, width=200)
+
+
+@pytest.fixture(scope="module")
+def fused_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fused")
+    cfg = _config(tmp)
+    return cfg, loop.train(cfg, _console(), name="quickstart")
+
+
+def test_run_dir_holds_config_metrics_tensorboard_plot_eval_and_the_init_model(fused_run):
+    cfg, summary = fused_run
+    run_dir = summary["run_dir"]
+    assert load_config(ExperimentConfig, f"{run_dir}/config.yaml") == cfg
+    records = read_metrics(f"{run_dir}/metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for name in ("reward/mean", "reward/std", "reward/addition", "completion/len_mean",
+                 "completion/clipped_frac", "loss/policy", "loss/kl", "entropy", "clip_frac",
+                 "grad_norm", "lr", "time/step_s", "perf/tokens_per_s",
+                 "rollout/zero_std_frac"):
+        assert all(np.isfinite(r[name]) for r in records), name
+    events = list(Path(run_dir, "tensorboard").glob("*"))
+    assert any(p.name.startswith("events.out.tfevents") for p in events)
+    with open(summary["plot"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    evaluation = json.loads(open(f"{run_dir}/eval.json").read())
+    assert evaluation["eval/num_prompts"] == 20 and 0 <= evaluation["eval/exact_match"] <= 1
+    assert evaluation["eval/reward_mean"] == summary["eval/reward_mean"]
+    # The random policy was saved in HF format and loads back, tokenizer included.
+    tokenizer = load_tokenizer(f"{run_dir}/init_model")
+    model = from_pretrained(f"{run_dir}/init_model")
+    assert model.config.vocab_size == len(tokenizer) == 16
+
+
+def test_fused_step_compiles_once_and_the_summary_adds_up(fused_run):
+    cfg, summary = fused_run
+    assert summary["step_compilations"] == 1  # no recompilation after the first step
+    # Three steps are fewer than the moving-average window: a target is never "reached".
+    assert summary["steps"] == 3 and summary["target_reached"] is False
+    records = read_metrics(f"{summary['run_dir']}/metrics.jsonl")
+    assert summary["reward_first"] == records[0]["reward/mean"]
+    assert summary["first_step_s"] == records[0]["time/step_s"]
+
+
+def test_split_mode_compiles_two_programs_once_and_matches_fused_metrics(fused_run, tmp_path):
+    cfg, fused = fused_run
+    split = loop.train(_config(tmp_path, "algo.mode=split"), _console(), name="split")
+    assert split["step_compilations"] == 2
+    fused_records = read_metrics(f"{fused['run_dir']}/metrics.jsonl")
+    split_records = read_metrics(f"{split['run_dir']}/metrics.jsonl")
+    for f, s in zip(fused_records, split_records, strict=True):
+        assert {k: v for k, v in f.items() if k not in TIMING} == \
+               {k: v for k, v in s.items() if k not in TIMING}
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics(fused_run, tmp_path):
+    _, first = fused_run
+    again = loop.train(_config(tmp_path / "a"), _console())
+    other = loop.train(_config(tmp_path / "b", "train.seed=1"), _console())
+
+    def strip(summary):
+        return [{k: v for k, v in r.items() if k not in TIMING}
+                for r in read_metrics(f"{summary['run_dir']}/metrics.jsonl")]
+
+    assert strip(again) == strip(first)
+    assert strip(other) != strip(first)
+
+
+def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(tmp_path, monkeypatch):
+    events = []
+    build_run = loop.build_run
+
+    def spying_build_run(*args, **kwargs):
+        run = build_run(*args, **kwargs)
+        step = run.step
+
+        def dispatch(*a, **k):
+            events.append("dispatch")
+            return step(*a, **k)
+
+        run.step = dispatch
+        run.step.programs = step.programs
+        return run
+
+    device_get = jax.device_get
+
+    def fetch(x):
+        if isinstance(x, dict) and "reward/mean" in x:  # a step's metrics, not other transfers
+            events.append("fetch")
+        return device_get(x)
+
+    monkeypatch.setattr(loop, "build_run", spying_build_run)
+    monkeypatch.setattr(loop.jax, "device_get", fetch)
+    loop.train(_config(tmp_path, "train.eval_prompts=0", "log.plot=false"), _console())
+    assert events == ["dispatch", "dispatch", "fetch", "dispatch", "fetch", "fetch"]
+
+
+def test_an_existing_run_is_not_overwritten(fused_run):
+    cfg, _ = fused_run
+    with pytest.raises(loop.RunDirError, match="already holds a run"):
+        loop.train(cfg, _console())
+
+
+def test_target_is_the_first_full_window_whose_mean_reaches_it():
+    w = loop.TARGET_WINDOW
+    rewards = [0.0] * w + [1.0] * w  # the window mean passes 0.5 when w/2 ones are in it
+    records = [{"step": i, "reward/mean": r, "time/elapsed_s": 0.1 * i}
+               for i, r in enumerate(rewards)]
+    hit = loop._target(0.5, records)
+    assert hit["target_reached"] and hit["target_step"] == w + w // 2 - 1
+    assert hit["target_elapsed_s"] == pytest.approx(0.1 * (w + w // 2 - 1))
+    assert loop._target(1.5, records) == {"target_reward": 1.5, "target_reached": False}
+    assert loop._target(None, records) == {}
+
+
+def test_moving_average_by_hand():
+    np.testing.assert_allclose(moving_average([1, 2, 3, 4, 5], 2), [1, 1.5, 2.5, 3.5, 4.5])
+    np.testing.assert_allclose(moving_average([1, 2, 3], 5), [1, 1.5, 2])
+
+
+def test_png_header_is_a_real_image(fused_run):
+    _, summary = fused_run
+    with open(summary["plot"], "rb") as f:
+        header = f.read(24)
+    width, height = struct.unpack(">II", header[16:24])
+    assert width > 100 and height > 100
