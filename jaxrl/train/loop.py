@@ -69,16 +69,16 @@ def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict
     log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard)
     try:
         train_s = _loop(cfg, run, log, console)
+        summary = _summary(cfg, run, log.records, setup_s, train_s)
+        if cfg.train.eval_prompts and run.task.eval_rows is not None:
+            result = evaluate(run, cfg.train.eval_prompts, cfg.train.eval_batch_size,
+                              seed=cfg.train.seed)
+            summary.update(result)
+            log.write_scalars(cfg.train.max_steps, result)
+            (run_dir / "eval.json").write_text(
+                json.dumps({"step": cfg.train.max_steps, **result}) + "\n", encoding="utf-8")
     finally:
         log.close()
-    summary = _summary(cfg, run, log.records, setup_s, train_s)
-    if cfg.train.eval_prompts and run.task.eval_rows is not None:
-        result = evaluate(run, cfg.train.eval_prompts, cfg.train.eval_batch_size,
-                          seed=cfg.train.seed)
-        summary.update(result)
-        log.write_scalars(cfg.train.max_steps, result)
-        (run_dir / "eval.json").write_text(
-            json.dumps({"step": cfg.train.max_steps, **result}) + "\n", encoding="utf-8")
     if cfg.log.plot and log.records:
         summary["plot"] = str(plot_rewards(log.records, run_dir / PLOT_FILE,
                                            title=f"{name}: {run.task.name}",

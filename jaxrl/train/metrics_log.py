@@ -23,6 +23,8 @@ PLOT_FILE = "reward.png"
 
 def to_record(step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """{"step": step, name: float(value), ...} with the names sorted (a stable line layout)."""
+    if "step" in metrics:
+        raise ValueError("a metric may not be called 'step' (the record's own key)")
     record: dict[str, float | int] = {"step": int(step)}
     for name in sorted(metrics):
         record[name] = float(np.asarray(metrics[name]))
@@ -42,8 +44,10 @@ class MetricsLog:
 
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.records: list[dict[str, float | int]] = []
+        self._closed = False
 
     def write(self, record: dict[str, float | int]) -> None:
+        self._check_open()
         # NaN/inf are written as JSON's non-standard NaN/Infinity (json's default), which
         # Python and pandas read back; dropping them would hide a diverging run.
         self._file.write(json.dumps(record) + "\n")
@@ -56,11 +60,19 @@ class MetricsLog:
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """Scalars that are not a training step's (evaluation results) to TensorBoard only."""
+        self._check_open()
         if self._writer is not None:
             for name, value in scalars.items():
                 self._writer.add_scalar(name, value, step)
 
+    def _check_open(self) -> None:
+        # A closed tensorboardX writer silently reopens a new events file (which can
+        # overwrite the run's within the same second): refuse instead.
+        if self._closed:
+            raise ValueError(f"the metrics log of {str(self.run_dir)!r} is closed")
+
     def close(self) -> None:
+        self._closed = True
         self._file.close()
         if self._writer is not None:
             self._writer.close()
@@ -117,8 +129,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value")
     for name, value in summary.items():
-        if isinstance(value, float):
-            text = f"{value:.4g}" if math.isfinite(value) else str(value)
+        if isinstance(value, (float, np.floating)):
+            text = f"{float(value):.4g}" if math.isfinite(value) else str(float(value))
         else:
             text = str(value)
         table.add_row(name, text)
