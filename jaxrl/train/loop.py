@@ -10,7 +10,8 @@ The host never waits on the device inside the loop except to fetch metrics one s
 (nanodo's pattern), so host work (next batch, logging) overlaps device work. Step N-1's
 `time/step_s` is the interval between the moments its metrics and step N-2's reached the
 host: in steady state that is the device time per step; step 0's includes compilation.
-`time/elapsed_s` counts from the first dispatch. With `train.target_reward` set, the summary
+`time/elapsed_s` counts from the first dispatch; `perf/tokens_per_s` is completion tokens
+(sampled, the stop token included) per second of `time/step_s`. With `train.target_reward` set, the summary
 says when the moving average of reward/mean over TARGET_WINDOW steps first reached it.
 """
 
