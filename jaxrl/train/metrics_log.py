@@ -111,6 +111,8 @@ def plot_rewards(records: Sequence[Mapping[str, float]], path: str | Path, *,
                 label=f"moving average ({window} steps)")
     if target is not None:
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"{target}")
+    if 0 <= min(rewards) and max(rewards) <= 1:  # rewards in [0, 1]: show the whole range
+        ax.set_ylim(0, 1.02)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title(title)
