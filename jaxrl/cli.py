@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from rich.console import Console
+# jaxrl uses transformers for tokenizers only: its "PyTorch was not found" advice is noise.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jaxrl.config import ConfigError, load_config, shipped_config
-from jaxrl.models.config import UnsupportedModelError
-from jaxrl.models.hf_io import CheckpointError
-from jaxrl.runtime import configure_xla
-from jaxrl.sharding.layout import LayoutError
-from jaxrl.train.loop import RunDirError
+from rich.console import Console  # noqa: E402
+
+from jaxrl.config import ConfigError, load_config, shipped_config  # noqa: E402
+from jaxrl.models.config import UnsupportedModelError  # noqa: E402
+from jaxrl.models.hf_io import CheckpointError  # noqa: E402
+from jaxrl.runtime import configure_xla  # noqa: E402
+from jaxrl.sharding.layout import LayoutError  # noqa: E402
+from jaxrl.train.loop import RunDirError  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 
