@@ -21,7 +21,6 @@ from jaxrl.models.config import UnsupportedModelError  # noqa: E402
 from jaxrl.models.hf_io import CheckpointError  # noqa: E402
 from jaxrl.runtime import configure_xla  # noqa: E402
 from jaxrl.sharding.layout import LayoutError  # noqa: E402
-from jaxrl.train.loop import RunDirError  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 
@@ -84,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         console.print(f"[bold red]config error[/]: {e}")
         return EXIT_CONFIG_ERROR
-    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError,
-            RunDirError) as e:
+    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError) as e:
         console.print(f"[bold red]error[/]: {e}")
         return EXIT_CONFIG_ERROR
 

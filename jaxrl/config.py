@@ -32,6 +32,10 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
 
 
+class RunDirError(ConfigError):
+    """`train.run_dir` already holds a run (a run directory is never overwritten)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     path: str | None = None  # a local HF directory (config.json + *.safetensors)

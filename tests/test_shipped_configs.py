@@ -13,6 +13,7 @@ from jaxrl.cli import main
 from jaxrl.commands.check import CheckConfig
 from jaxrl.commands.generate import GenerateConfig
 from jaxrl.config import load_config
+from jaxrl.data.tasks import gsm8k
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.models import Transformer, save_pretrained
 from jaxrl.sharding import load_layout
@@ -52,16 +53,30 @@ def _tiny_model_dir(path: Path, family: str) -> Path:
 
 
 def _gsm8k_jsonl(path: Path) -> Path:
-    """GSM8K's format: a question column and a worked answer ending in '#### <number>'."""
-    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
-             "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b}"}
-            for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (1, 1), (6, 9), (20, 22), (5, 5)]]
+    """GSM8K's format: a question column and a worked answer ending in '#### <number>'.
+
+    The first row is too long for any recipe's max_prompt_len: it is dropped, so dataset row
+    indices and prompt positions differ from there on.
+    """
+    rows = [{"question": "Tom has many apples. " * 40, "answer": "#### 0"}]
+    rows += [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
+              "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b}"}
+             for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (1, 1), (6, 9), (20, 22), (5, 5)]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
+def _answer_matches_question(prompt, completion, fields):
+    """1 if the answer field handed to the reward belongs to this prompt's question."""
+    a, b = (int(w) for w in prompt.split() if w.isdigit())
+    return float(fields["answer"].endswith(f"#### {a + b}"))
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_runs_two_steps_on_a_tiny_model(name, tmp_path, capsys):
+def test_recipe_runs_two_steps_on_a_tiny_model(name, tmp_path, capsys, monkeypatch):
+    # The recipes' math reward would score a random policy 0 whatever it is handed; this
+    # stand-in checks that each sample gets the answer of its own dataset row.
+    monkeypatch.setattr(gsm8k, "math_reward", _answer_matches_question)
     model_dir = _tiny_model_dir(tmp_path / "model", RECIPES[name])
     data = _gsm8k_jsonl(tmp_path / "train.jsonl")
     run_dir = tmp_path / "run"
@@ -76,10 +91,10 @@ def test_recipe_runs_two_steps_on_a_tiny_model(name, tmp_path, capsys):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     for record in records:
-        assert 0 <= record["reward/math"] <= 1 and record["reward/errors"] == 0
+        assert record["reward/math"] == 1 and record["reward/errors"] == 0
         assert record["completion/len_mean"] > 0
         assert ("reward/overlong" in record) == bool(overlong)
     saved = load_config(ExperimentConfig, run_dir / "config.yaml")
     assert saved.model.path == str(model_dir) and saved.data.task == "gsm8k"
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and summary["prompts_dropped"] == 1

@@ -7,12 +7,16 @@ and the sampler's prefill ends on each prompt's last real token.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# What transformers writes as tokenizer_class for a tokenizer built from a `tokenizers` object.
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -22,6 +26,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise FileNotFoundError(
             f"no tokenizer in {str(path)!r}: expected tokenizer.json or tokenizer_config.json "
             "(save one with tokenizer.save_pretrained)")
+    # AutoTokenizer prefers the class of config.json's model type (Qwen2Tokenizer next to a
+    # qwen2 config), which re-builds a generic tokenizer differently (it drops the spaces of a
+    # character tokenizer): a tokenizer saved as the generic class loads as that class.
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file():
+        saved_class = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
+        if saved_class in _GENERIC_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path))
 
 

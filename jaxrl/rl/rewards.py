@@ -50,7 +50,8 @@ from flax import struct
 logger = logging.getLogger("jaxrl.rewards")
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
-_RESERVED = ("errors", "mean", "std")  # metric keys of the set itself
+# Metric keys of the set itself, and of the step's reward shaping (reward/overlong).
+_RESERVED = ("errors", "mean", "std", "overlong")
 
 
 @struct.dataclass

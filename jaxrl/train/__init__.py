@@ -1,4 +1,5 @@
-"""Training: the optimizer, the sharded train state and the step builder (the loop comes later)."""
+"""Training: the optimizer, the sharded train state, the step builder, and the run loop
+(`jaxrl.train.loop.train`, which `jaxrl train` calls)."""
 
 from jaxrl.train.optimizer import (
     OptimConfig,

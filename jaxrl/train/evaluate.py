@@ -1,6 +1,6 @@
-"""Greedy evaluation of the policy on fresh prompts of a synthetic task.
+"""Greedy evaluation of the policy on held-out prompts of a synthetic task.
 
-    rows   = task.eval_rows(n, seed)          fresh draws, not the training rows
+    rows   = task.eval_rows(n, seed)          held-out problems, never training rows
     tokens = greedy completions (temperature 0, one per prompt), same compiled sampler code
     r_B    = the task's rewards (weights as in training)
 
@@ -13,6 +13,7 @@ its first prompt, whose results are dropped), so one program serves every batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -21,11 +22,15 @@ from jaxrl.data.prompts import PromptSource
 from jaxrl.rl import RewardInputs
 from jaxrl.rollout import Sampler, SamplingParams
 
+if TYPE_CHECKING:
+    from jaxrl.train.run import Run
+
 __all__ = ["evaluate"]
 
 
-def evaluate(run, num_prompts: int, batch_size: int, *, seed: int) -> dict[str, float]:
-    """Greedy mean reward and exact match of `run`'s policy on `num_prompts` fresh prompts."""
+def evaluate(run: Run, num_prompts: int, batch_size: int, *, seed: int) -> dict[str, float]:
+    """Greedy mean reward and exact match of `run`'s policy on `num_prompts` held-out prompts
+    (fewer when the task holds out fewer)."""
     cfg = run.cfg
     rows = run.task.eval_rows(num_prompts, seed)
     prompts = PromptSource(rows, prompt_column="prompt", field_columns=run.task.field_columns,

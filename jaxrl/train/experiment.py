@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Literal
 
-from jaxrl.config import ModelSection, RolloutSection, ShardingSection
+from jaxrl.config import Family, ModelSection, RolloutSection, ShardingSection
+from jaxrl.data.tasks.registry import SYNTHETIC_TASKS, TaskName
 from jaxrl.train.optimizer import OptimConfig
 from jaxrl.train.phases import StepConfig
-
-TaskName = Literal["addition", "gsm8k"]
 
 
 def _fail(section: str, obj: object, name: str, requirement: str) -> typing.NoReturn:
@@ -34,7 +32,7 @@ def _fail(section: str, obj: object, name: str, requirement: str) -> typing.NoRe
 class InitSection:
     """A random policy made from scratch (used when `model.path` is null): sizes and family."""
 
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "qwen2"
+    family: Family = "qwen2"
     hidden_size: int = 64
     intermediate_size: int = 256
     num_layers: int = 2
@@ -57,6 +55,8 @@ class InitSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainModelSection(ModelSection):
+    """`model`: the policy's directory and dtypes, and `init` for a random one (path null)."""
+
     init: InitSection = dataclasses.field(default_factory=InitSection)
 
 
@@ -81,19 +81,25 @@ class DataSection:
                 _fail("data", self, name, ">= 1")
         if not 1 <= self.num_digits <= 18:
             _fail("data", self, "num_digits", "in [1, 18]")
-        if self.task == "gsm8k" and not self.source:
-            raise ValueError("data.source must name a .jsonl/.json/.parquet file of questions "
-                             "and answers for data.task=gsm8k, got None")
+        if self.task in SYNTHETIC_TASKS and self.source is not None:
+            raise ValueError(f"data.source must be null for data.task={self.task} (it makes its "
+                             f"own prompts), got {self.source!r}; set data.task for a file")
+        if self.task not in SYNTHETIC_TASKS and not self.source:
+            raise ValueError(f"data.source must name a .jsonl/.json/.parquet file of questions "
+                             f"and answers for data.task={self.task}, got {self.source!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
+    """`train`: where the run goes, how long, the seed, the final evaluation, saving."""
+
     run_dir: str | None = None  # null: runs/<config name>-<date-time>
     max_steps: int = 100
     seed: int = 0
     eval_prompts: int = 1000  # fresh prompts for the greedy evaluation at the end (0: none)
     eval_batch_size: int = 250
     target_reward: float | None = None  # report when the 20-step mean reward first reaches it
+    save_final: bool = True  # save the trained policy (HF format) to <run_dir>/final_model
 
     def __post_init__(self):
         if self.max_steps < 1:
@@ -108,6 +114,8 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class LogSection:
+    """`log`: what besides metrics.jsonl the run writes, and how often it prints."""
+
     tensorboard: bool = True  # <run_dir>/tensorboard, besides metrics.jsonl (always written)
     plot: bool = True  # <run_dir>/reward.png at the end
     print_every: int = 50  # a progress line every N steps when stderr is not a terminal
@@ -119,6 +127,8 @@ class LogSection:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
+    """A whole experiment (module docstring); checks that span sections."""
+
     model: TrainModelSection = dataclasses.field(default_factory=TrainModelSection)
     sharding: ShardingSection = dataclasses.field(default_factory=ShardingSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -138,9 +148,13 @@ class ExperimentConfig:
             raise ValueError(f"algo.overlong_buffer={buffer} must be at most "
                              f"rollout.max_new_tokens={self.rollout.max_new_tokens} (the soft "
                              f"zone lies inside the completion budget)")
+        if self.algo.temperature != self.rollout.temperature:
+            raise ValueError(f"algo.temperature={self.algo.temperature} must equal "
+                             f"rollout.temperature={self.rollout.temperature}: the trainer "
+                             f"scores each token under the distribution it was sampled from")
         rows = self.data.batch_size * self.rollout.num_generations
         try:
             self.algo.batch_split(rows)
         except ValueError as e:
-            raise ValueError(f"algo.{str(e).removeprefix('step.')} (data.batch_size x "
-                             f"rollout.num_generations)") from None
+            raise ValueError(f"{e} (the batch has data.batch_size x rollout.num_generations = "
+                             f"{rows} rows)") from None

@@ -1,10 +1,10 @@
 """The training loop: build a run from its config, step it, log it, evaluate it.
 
-    run = build_run(cfg, run_dir)        mesh, tokenizer, policy, task, prompts, rewards, step
+    run = build_run(cfg, run_dir, console)   mesh, tokenizer, policy, task, prompts, step
     for step in range(max_steps):
         dispatch step N                  (returns at once: JAX runs it asynchronously)
         fetch step N-1's metrics         the device already works on N while the host logs
-    evaluate greedily on fresh prompts, plot the reward, print the summary
+    save the final policy, evaluate greedily on held-out prompts, plot, print the summary
 
 The host never waits on the device inside the loop except to fetch metrics one step late
 (nanodo's pattern), so host work (next batch, logging) overlaps device work. Step N-1's
@@ -18,6 +18,7 @@ says when the moving average of reward/mean over TARGET_WINDOW steps first reach
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,11 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxrl.config import to_yaml
+from jaxrl.config import RunDirError, to_yaml
 from jaxrl.train.evaluate import evaluate
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import (
+    METRICS_FILE,
     PLOT_FILE,
     MetricsLog,
     moving_average,
@@ -43,34 +45,59 @@ from jaxrl.train.run import Run, build_run
 __all__ = ["RunDirError", "train"]
 
 TARGET_WINDOW = 20  # steps averaged when checking train.target_reward
+FINAL_MODEL_DIR = "final_model"
 
 
-class RunDirError(ValueError):
-    """The run directory already holds a run."""
+def prepare_run_dir(cfg: ExperimentConfig, name: str) -> tuple[Path, bool]:
+    """(the run directory, whether this call created it), refusing one that holds a run.
 
-
-def prepare_run_dir(cfg: ExperimentConfig, name: str) -> Path:
-    """The run directory (created), refusing one whose metrics.jsonl already exists."""
-    run_dir = Path(cfg.train.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (run_dir / "metrics.jsonl").exists():
-        raise RunDirError(f"train.run_dir {str(run_dir)!r} already holds a run (metrics.jsonl); "
-                          f"choose a new train.run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    An explicit `train.run_dir` may exist (empty, or left by a run that failed before its
+    first step); a default one is `runs/<name>-<date>-<time>`, with a suffix when two runs
+    start in the same second.
+    """
+    if cfg.train.run_dir:
+        run_dir = Path(cfg.train.run_dir)
+        if (run_dir / METRICS_FILE).exists():
+            raise RunDirError(f"train.run_dir {str(run_dir)!r} already holds a run "
+                              f"({METRICS_FILE}); choose a new train.run_dir")
+        created = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        stem = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for suffix in ("", *(f"-{i}" for i in range(1, 1000))):
+            run_dir = Path(stem + suffix)
+            try:
+                run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
+        created = True
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    return run_dir
+    return run_dir, created
 
 
 def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict[str, Any]:
-    """Runs the experiment `cfg`; returns the summary (also printed as a table)."""
+    """Runs the experiment `cfg`; returns the summary (also printed as a table).
+
+    A failure while building (bad data, a model that does not fit the layout) removes the run
+    directory again if this call created it; metrics already fetched are never lost.
+    """
     start = time.perf_counter()
-    run_dir = prepare_run_dir(cfg, name)
+    run_dir, created = prepare_run_dir(cfg, name)
     console.print(f"[bold]run dir[/]: {run_dir}")
-    run = build_run(cfg, run_dir, console)
+    try:
+        run = build_run(cfg, run_dir, console)
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     setup_s = time.perf_counter() - start
     log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard)
     try:
         train_s = _loop(cfg, run, log, console)
         summary = _summary(cfg, run, log.records, setup_s, train_s)
+        if cfg.train.save_final:
+            summary["final_model"] = str(run.save_policy(run_dir / FINAL_MODEL_DIR))
         if cfg.train.eval_prompts and run.task.eval_rows is not None:
             result = evaluate(run, cfg.train.eval_prompts, cfg.train.eval_batch_size,
                               seed=cfg.train.seed)
@@ -120,16 +147,24 @@ def _loop(cfg: ExperimentConfig, run: Run, log: MetricsLog, console: Console) ->
                           f"({now - start:.0f}s)")
 
     with progress:
-        for step in range(cfg.train.max_steps):
-            batch = next(run.batches)
-            state, metrics = run.step(state, *run.place(batch),
-                                      jax.random.fold_in(key, step), run.ref_params)
-            if pending is not None:
+        try:
+            for step in range(cfg.train.max_steps):
+                batch = next(run.batches)
+                state, metrics = run.step(state, *run.place(batch),
+                                          jax.random.fold_in(key, step), run.ref_params)
+                if pending is not None:
+                    record(*pending)
+                pending = (step, metrics)
+        finally:
+            # Step N-1's metrics are computed even when step N failed or was interrupted.
+            if pending is not None and not _is_recorded(log, pending[0]):
                 record(*pending)
-            pending = (step, metrics)
-        record(*pending)
     run.state = state
     return time.perf_counter() - start
+
+
+def _is_recorded(log: MetricsLog, step: int) -> bool:
+    return bool(log.records) and log.records[-1]["step"] == step
 
 
 def _summary(cfg: ExperimentConfig, run: Run, records: list[dict[str, float]], setup_s: float,
@@ -151,6 +186,7 @@ def _summary(cfg: ExperimentConfig, run: Run, records: list[dict[str, float]], s
         "reward_last": float(rewards_N[-window:].mean()),
         "reward_last_window": window,
         "reward_best": float(rewards_N.max()),
+        "prompts_dropped": run.batches.stats.num_dropped,
         **_target(cfg.train.target_reward, records),
     }
 

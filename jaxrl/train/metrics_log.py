@@ -37,7 +37,8 @@ class MetricsLog:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
-        self._file = self.path.open("a", encoding="utf-8")
+        # "x": never append to (and interleave with) another run's metrics.
+        self._file = self.path.open("x", encoding="utf-8")
         self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter

@@ -69,7 +69,10 @@ class Run:
         return self.place_rows(batch.ids_BxP, batch.mask_BxP, batch.rows_B,
                                self.task.device_fields(self.tokenizer, batch.fields))
 
-    def place_rows(self, ids_BxP, mask_BxP, rows_B, fields_B) -> tuple[Prompts, dict, jax.Array]:
+    def place_rows(self, ids_BxP: np.ndarray, mask_BxP: np.ndarray, rows_B: np.ndarray,
+                   fields_B: dict[str, np.ndarray],
+                   ) -> tuple[Prompts, dict[str, jax.Array], jax.Array]:
+        """Host arrays (one row per prompt) on the mesh, rows split over its batch axes."""
         rules = self.layout.train_rules
 
         def put(x):
@@ -79,6 +82,12 @@ class Run:
 
         return (Prompts(put(ids_BxP), put(mask_BxP)), {k: put(v) for k, v in fields_B.items()},
                 put(np.asarray(rows_B, np.int32)))
+
+    def save_policy(self, path: Path) -> Path:
+        """The current policy and its tokenizer as an HF model directory at `path`."""
+        save_pretrained(nnx.merge(self.graphdef, self.state).model, path)
+        self.tokenizer.save_pretrained(str(path))
+        return path
 
     def policy(self) -> tuple[nnx.GraphDef, nnx.State]:
         """(graphdef, state) of the current policy model (not a copy: do not donate it)."""
@@ -100,8 +109,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
     model_path = cfg.model.path
     if model_path is None:
         if task.tokenizer is None:
-            raise FileNotFoundError(f"data.task={task.name} brings no tokenizer or model: set "
-                                    f"model.path to a local HF model directory")
+            raise ConfigError(f"data.task={task.name} brings no tokenizer or model: set "
+                              f"model.path to a local HF model directory")
         model_path = _init_model(cfg, task.tokenizer(), run_dir / INIT_MODEL_DIR, mesh, layout)
         console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to {model_path}")
     tokenizer = load_tokenizer(model_path)

@@ -48,17 +48,21 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     (["rollout.num_generations=1"], ["rollout.num_generations", "group"]),
     (["algo.overlong_buffer=9"], ["algo.overlong_buffer=9", "rollout.max_new_tokens=4"]),
     (["data.max_prompt_len=5"], ["max_prompt_len=5", "dropped"]),
-    (["data.task=gsm8k"], ["data.source"]),
+    (["data.task=gsm8k"], ["data.source", "data.task=gsm8k"]),
     (["data.tsk=addition"], ["data.tsk", "task"]),
+    (["data.source=prompts.jsonl"], ["data.source", "data.task=addition"]),
+    (["rollout.temperature=0.7"], ["algo.temperature=1.0", "rollout.temperature=0.7"]),
+    (["sharding.layout=nope"], ["nope", "fsdp_tp"]),
 ])
 def test_bad_config_exits_2_naming_the_key(overrides, words, tmp_path, capsys):
-    code = main(["train", QUICKSTART, f"train.run_dir={tmp_path}", "sharding.layout=fsdp",
-                 *overrides])
+    code = main(["train", QUICKSTART, f"train.run_dir={tmp_path / 'run'}",
+                 "sharding.layout=fsdp", *overrides])
     assert code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     for word in words:
         assert word in err, (word, err)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    # Nothing is left behind: the run directory this call made is removed again.
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_data_column_and_missing_model_exit_2(tmp_path, capsys):

@@ -58,3 +58,22 @@ def test_bad_input_is_named(tmp_path, tokenizer):
         encode_prompts(tokenizer, [])
     with pytest.raises(ValueError, match="encodes to no tokens"):
         encode_prompts(tokenizer, [""], chat_template=False)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_a_generic_tokenizer_in_a_model_directory_loads_as_saved(tmp_path, model_type):
+    # transformers' AutoTokenizer would pick the model type's tokenizer class from config.json
+    # and re-tokenize (a Qwen2 tokenizer drops the spaces of this character tokenizer).
+    from flax import nnx
+
+    from jaxrl.models import Transformer, save_pretrained
+    from jaxrl.models.config import tiny_config
+
+    original = make_char_tokenizer(ALPHABET)
+    save_pretrained(Transformer(tiny_config(model_type, vocab_size=len(original)),
+                                rngs=nnx.Rngs(0)), tmp_path)
+    original.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    text = "what is 12 + 30 ?"
+    assert loaded.encode(text) == original.encode(text)
+    assert len(loaded.encode(text)) == len(text) and loaded.decode(loaded.encode(text)) == text

@@ -1,6 +1,7 @@
 """The training loop in process on 8 devices: run directory contents, metrics one step late,
 one compilation per program, determinism, the summary and the greedy evaluation."""
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -8,11 +9,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl.config import load_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import from_pretrained
 from jaxrl.train import loop
+from jaxrl.train.evaluate import evaluate
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import moving_average, read_metrics
 from tests.test_shipped_configs import ROOT
@@ -65,10 +68,28 @@ def test_run_dir_holds_config_metrics_tensorboard_plot_eval_and_the_init_model(f
     evaluation = json.loads(open(f"{run_dir}/eval.json").read())
     assert evaluation["eval/num_prompts"] == 20 and 0 <= evaluation["eval/exact_match"] <= 1
     assert evaluation["eval/reward_mean"] == summary["eval/reward_mean"]
-    # The random policy was saved in HF format and loads back, tokenizer included.
+    # The random policy and the trained one were saved in HF format and load back, with
+    # their tokenizer; three steps of 2 updates each moved every weight.
     tokenizer = load_tokenizer(f"{run_dir}/init_model")
-    model = from_pretrained(f"{run_dir}/init_model")
-    assert model.config.vocab_size == len(tokenizer) == 16
+    initial = from_pretrained(f"{run_dir}/init_model")
+    assert initial.config.vocab_size == len(tokenizer) == 16
+    assert summary["final_model"] == f"{run_dir}/final_model"
+    final = from_pretrained(summary["final_model"])
+    assert len(load_tokenizer(summary["final_model"])) == 16
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b),
+                         nnx.to_pure_dict(nnx.state(initial, nnx.Param)),
+                         nnx.to_pure_dict(nnx.state(final, nnx.Param)))
+    assert all(jax.tree.leaves(moved))
+
+
+def test_greedy_evaluation_does_not_depend_on_the_batch_size(fused_run, tmp_path):
+    cfg, _ = fused_run
+    run = loop.build_run(dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, run_dir=str(tmp_path))), tmp_path, _console())
+    # 20 held-out prompts in batches of 8 (the last one padded) or in one batch of 20.
+    by_8 = evaluate(run, 20, 8, seed=0)
+    by_20 = evaluate(run, 20, 20, seed=0)
+    assert by_8 == by_20 and by_8["eval/num_prompts"] == 20
 
 
 def test_fused_step_compiles_once_and_the_summary_adds_up(fused_run):
@@ -97,10 +118,40 @@ def _metrics_without_timing(summary):
             for r in read_metrics(f"{summary['run_dir']}/metrics.jsonl")]
 
 
-def test_another_seed_gives_other_metrics(fused_run, tmp_path):
+def test_another_seed_gives_other_metrics_and_a_kl_term_runs(fused_run, tmp_path):
     _, first = fused_run
-    other = loop.train(_config(tmp_path, "train.seed=1", "train.eval_prompts=0"), _console())
+    # beta > 0 also exercises the frozen reference copy of the policy.
+    other = loop.train(_config(tmp_path, "train.seed=1", "train.eval_prompts=0",
+                               "algo.loss.beta=0.1", "train.save_final=false"), _console())
     assert _metrics_without_timing(other) != _metrics_without_timing(first)
+    records = read_metrics(f"{other['run_dir']}/metrics.jsonl")
+    # k3 is never negative; once updates moved the policy off the reference it is positive.
+    assert all(r["loss/kl"] >= 0 for r in records) and records[-1]["loss/kl"] > 0
+    assert "final_model" not in other and not Path(other["run_dir"], "final_model").exists()
+
+
+def test_metrics_already_computed_survive_a_failing_step(tmp_path, monkeypatch):
+    build_run = loop.build_run
+
+    def failing_build_run(*args, **kwargs):
+        run = build_run(*args, **kwargs)
+        step, calls = run.step, []
+
+        def fail_on_third(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("simulated failure at step 2")
+            return step(*a, **k)
+
+        run.step = fail_on_third
+        return run
+
+    monkeypatch.setattr(loop, "build_run", failing_build_run)
+    cfg = _config(tmp_path, "train.eval_prompts=0", "log.plot=false")
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        loop.train(cfg, _console())
+    # Step 1 was dispatched before step 2 failed: its metrics are on disk too.
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
 
 def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(fused_run, tmp_path,
@@ -129,7 +180,8 @@ def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(fused_r
 
     monkeypatch.setattr(loop, "build_run", spying_build_run)
     monkeypatch.setattr(loop.jax, "device_get", fetch)
-    again = loop.train(_config(tmp_path, "train.eval_prompts=0", "log.plot=false"), _console())
+    again = loop.train(_config(tmp_path, "train.eval_prompts=0", "log.plot=false",
+                               "train.save_final=false"), _console())
     assert events == ["dispatch", "dispatch", "fetch", "dispatch", "fetch", "fetch"]
     # The same config and seed as the fused run: the same metrics, step for step.
     assert _metrics_without_timing(again) == _metrics_without_timing(fused_run[1])

@@ -55,13 +55,13 @@ def test_each_write_is_one_flushed_line_readable_before_close(tmp_path):
     assert read_metrics(log.path) == [first, second]
 
 
-def test_a_reopened_log_appends(tmp_path):
-    for step in range(2):
-        log = MetricsLog(tmp_path, tensorboard=False)
-        log.write(to_record(step, {"reward/mean": step / 2}))
-        log.close()
-    assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 0, "reward/mean": 0.0},
-                                                     {"step": 1, "reward/mean": 0.5}]
+def test_a_second_log_in_the_same_run_dir_is_refused(tmp_path):
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.write(to_record(0, {"reward/mean": 0.0}))
+    with pytest.raises(FileExistsError):  # two runs never interleave their metrics
+        MetricsLog(tmp_path, tensorboard=False)
+    log.close()
+    assert read_metrics(tmp_path / METRICS_FILE) == [{"step": 0, "reward/mean": 0.0}]
 
 
 def test_nan_and_inf_survive_the_round_trip(tmp_path):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import datasets
 import numpy as np
@@ -32,7 +32,8 @@ from jaxrl.data.tasks.addition import AdditionTask, addition_reward, make_additi
 from jaxrl.data.tokenizer import decode_completions
 from jaxrl.rl.rewards import JaxReward, PythonReward, Reward, RewardSet
 
-TASKS = ("addition", "gsm8k")
+TaskName = Literal["addition", "gsm8k"]
+SYNTHETIC_TASKS = ("addition",)  # make their own prompts and tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,11 @@ def addition_task(num_digits: int, num_prompts: int, seed: int) -> Task:
         return {"target_ids": task.answer_token_ids(tokenizer, list(fields["answer"]))}
 
     def eval_rows(n: int, eval_seed: int) -> datasets.Dataset:
-        # A seed stream of its own: evaluation prompts are fresh draws, not training rows.
-        return datasets.Dataset.from_list(task.sample_problems(n, seed=(1 << 32) + eval_seed))
+        # Held-out problems: never among the training rows (addition.py).
+        return datasets.Dataset.from_list(task.sample_problems(n, eval_seed, split="eval"))
 
-    return Task("addition", datasets.Dataset.from_list(task.sample_problems(num_prompts, seed)),
+    return Task("addition",
+                datasets.Dataset.from_list(task.sample_problems(num_prompts, seed, split="train")),
                 ("answer",), rewards, device_fields, tokenizer=make_addition_tokenizer,
                 eval_rows=eval_rows)
 
@@ -110,13 +112,13 @@ def gsm8k_task(source: str | Path, question_column: str, answer_column: str,
     return Task("gsm8k", rows, ("answer",), rewards, _no_device_fields)
 
 
-def make_task(name: str, *, source: str | None, prompt_column: str, answer_column: str,
+def make_task(name: TaskName, *, source: str | None, prompt_column: str, answer_column: str,
               num_digits: int, num_prompts: int, format_weight: float, seed: int) -> Task:
-    """The task called `name` (one of TASKS) with its options."""
+    """The task called `name` (one of `TaskName`) with its options."""
     if name == "addition":
         return addition_task(num_digits, num_prompts, seed)
     if name == "gsm8k":
         if not source:
             raise ValueError("task gsm8k reads its questions from a file: set data.source")
         return gsm8k_task(source, prompt_column, answer_column, format_weight)
-    raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    raise ValueError(f"unknown task {name!r}; expected one of {', '.join(get_args(TaskName))}")

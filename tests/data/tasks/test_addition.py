@@ -10,6 +10,7 @@ from jaxrl.data.tasks.addition import (
     AdditionTask,
     addition_reward,
     exact_match,
+    held_out,
     make_addition_tokenizer,
 )
 from jaxrl.data.tokenizer import decode_completions, encode_prompts, load_tokenizer
@@ -164,3 +165,23 @@ def test_chance_reward_matches_a_uniform_policy_that_stops_at_eos(tokenizer):
     reward = np.asarray(jax.jit(addition_reward)(ids_BxC, mask_BxC, target))
     standard_error = reward.std() / np.sqrt(n)
     assert abs(reward.mean() - task.chance_reward(vocab)) < 4 * standard_error
+
+
+def test_evaluation_problems_are_held_out_from_training_and_distinct():
+    task = AdditionTask(2)
+    train = {p["prompt"] for p in task.sample_problems(50_000, seed=0)}
+    evaluation = [p["prompt"] for p in task.sample_problems(1000, seed=0, split="eval")]
+    assert len(set(evaluation)) == 1000 and not train & set(evaluation)
+    x, y = np.divmod(np.arange(10**4), 100)
+    held = held_out(x, y)
+    assert 900 <= held.sum() <= 1100  # about a tenth
+    # Training draws only problems that are not held out, and reaches nearly all of them
+    # (50,000 uniform draws over ~9,000 problems leave about e^-5.6 of them unseen).
+    allowed = {f"{a:02d}+{b:02d}=" for a, b, h in zip(x, y, held, strict=True) if not h}
+    assert train <= allowed and len(train) > 0.99 * len(allowed)
+    # One digit: 100 problems, about 10 held out; asking for more gives all of them.
+    small = AdditionTask(1).sample_problems(50, seed=0, split="eval")
+    x1, y1 = np.divmod(np.arange(100), 10)
+    assert len(small) == held_out(x1, y1).sum() == len({p["prompt"] for p in small})
+    with pytest.raises(ValueError, match="split must be one of"):
+        task.sample_problems(3, seed=0, split="test")
