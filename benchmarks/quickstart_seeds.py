@@ -1,6 +1,6 @@
 """How fast the quickstart learns, seed by seed: steps and seconds to the 0.8 target.
 
-    python benchmarks/quickstart_seeds.py --seeds 0 1 2 3 [dotted.key=value ...]
+    python benchmarks/quickstart_seeds.py [dotted.key=value ...] --seeds 0 1 2 3
 
 Runs `jaxrl train configs/quickstart.yaml train.seed=S` in process for each seed (TensorBoard
 and the plot off, run directories under a temporary folder) and prints one table row per

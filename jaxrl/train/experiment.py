@@ -39,8 +39,11 @@ class InitSection:
     num_heads: int = 4
     num_kv_heads: int = 2
     tie_word_embeddings: bool = True
+    rope_theta: float = 10_000.0
 
     def __post_init__(self):
+        if not self.rope_theta > 0:
+            _fail("model.init", self, "rope_theta", "> 0")
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads"):
             if getattr(self, name) < 1:

@@ -163,7 +163,8 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
         num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
         head_dim=init.hidden_size // init.num_heads,
         max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
-        tie_word_embeddings=init.tie_word_embeddings, qkv_bias=init.family == "qwen2",
+        tie_word_embeddings=init.tie_word_embeddings, rope_theta=init.rope_theta,
+        qkv_bias=init.family == "qwen2",
         qk_norm=init.family == "qwen3", bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, param_dtype=dtype,
         compute_dtype=cfg.model.compute_dtype or dtype)

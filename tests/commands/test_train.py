@@ -44,7 +44,7 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     (["algo.advantage=ppo"], ["algo.advantage", "ppo", "rloo"]),
     (["data.batch_size=0"], ["data.batch_size", "0"]),
     (["optim.lr=-1"], ["optim.lr", "-1"]),
-    (["algo.num_minibatches=3"], ["num_minibatches=3", "128 rows"]),
+    (["algo.num_minibatches=3"], ["num_minibatches=3", "256 rows"]),
     (["rollout.num_generations=1"], ["rollout.num_generations", "group"]),
     (["algo.overlong_buffer=9"], ["algo.overlong_buffer=9", "rollout.max_new_tokens=4"]),
     (["data.max_prompt_len=5"], ["max_prompt_len=5", "dropped"]),
