@@ -43,6 +43,9 @@ class ModelSection:
     compute_dtype: DType | None = None  # None: the parameter dtype
     scan_layers: bool = False
     attention_impl: Literal["xla", "cudnn"] = "xla"
+    # Activation memory vs FLOPs of the backward pass: "block" keeps only each decoder
+    # block's input and recomputes its forward, "save_dots" keeps the weight matmul outputs.
+    remat: Literal["none", "block", "save_dots"] = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +61,17 @@ class RolloutSection:
     top_k: int | None = None
     top_p: float | None = None
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # besides the EOS ids
+    # No stop tokens at all, EOS included: every training completion has exactly
+    # max_new_tokens tokens (benchmarks; vLLM's ignore_eos). Evaluation still stops at EOS.
+    ignore_eos: bool = False
 
     def __post_init__(self):
         for name in ("num_generations", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ignore_eos and self.stop_token_ids:
+            raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
+                             f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")
         try:
             self.sampling_params()
         except ValueError as e:

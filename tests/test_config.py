@@ -5,7 +5,7 @@ from typing import Literal
 
 import pytest
 
-from jaxrl.config import ConfigError, ModelSection, load_config, to_yaml
+from jaxrl.config import ConfigError, ModelSection, RolloutSection, load_config, to_yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Section:
 class Schema:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     section: Section = dataclasses.field(default_factory=Section)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
 
 
 def test_yaml_then_overrides_later_wins(tmp_path):
@@ -47,6 +48,7 @@ def test_round_trip_through_yaml(tmp_path):
     ("section.size=abc", ["section.size", "abc", "integer"]),
     ("section.mode=slow", ["section.mode", "slow", "fast", "exact"]),
     ("model.dtype=float64", ["model.dtype", "float64", "bfloat16"]),
+    ("model.remat=all", ["model.remat", "all", "none", "block", "save_dots"]),
     ("section=3", ["section", "int"]),
     ("section.size=0", ["section.size", ">= 1", "0"]),
     ("size", ["size", "dotted.key=value"]),
@@ -70,3 +72,11 @@ def test_bad_files(tmp_path):
     unknown.write_text("section:\n  sizes: 3\n")
     with pytest.raises(ConfigError, match="section.sizes.*size"):
         load_config(Schema, unknown)
+
+
+def test_ignore_eos_takes_no_stop_token_ids():
+    cfg = load_config(Schema, None, ["rollout.ignore_eos=true"])
+    assert cfg.rollout.ignore_eos and cfg.rollout.stop_token_ids == []
+    with pytest.raises(ConfigError, match=r"rollout.ignore_eos=true .* "
+                                          r"rollout.stop_token_ids=\[7\]; expected \[\]"):
+        load_config(Schema, None, ["rollout.ignore_eos=true", "rollout.stop_token_ids=[7]"])

@@ -63,20 +63,22 @@ def run_check(cfg: CheckConfig, console: Console) -> dict[str, Any]:
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype,
                                 compute_dtype=cfg.model.compute_dtype, mesh=mesh, rules=rules,
                                 scan_layers=cfg.model.scan_layers,
-                                attention_impl=cfg.model.attention_impl)
+                                attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
         source = cfg.model.path
     else:
         model_cfg = tiny_config(
             cfg.check.family, param_dtype=cfg.model.dtype or "float32",
             compute_dtype=cfg.model.compute_dtype or cfg.model.dtype or "float32",
-            scan_layers=cfg.model.scan_layers, attention_impl=cfg.model.attention_impl)
+            scan_layers=cfg.model.scan_layers, attention_impl=cfg.model.attention_impl,
+            remat=cfg.model.remat)
         built = create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.check.seed)),
                                mesh, rules)
         with tempfile.TemporaryDirectory() as tmp:
             save_pretrained(built, tmp)
             model = from_pretrained(tmp, mesh=mesh, rules=rules, scan_layers=model_cfg.scan_layers,
                                     compute_dtype=model_cfg.compute_dtype,
-                                    attention_impl=model_cfg.attention_impl)
+                                    attention_impl=model_cfg.attention_impl,
+                                    remat=model_cfg.remat)
         source = f"tiny random {cfg.check.family} (saved as HF and reloaded)"
     console.print(f"[bold]model[/]: {source}, {model.config.num_params():,} parameters")
     console.print(_layout_table(model, mesh, layout))

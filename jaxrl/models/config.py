@@ -3,14 +3,14 @@
 One frozen dataclass covers the Llama 3.x, Qwen2/2.5, Qwen3 and Mistral families; they differ
 only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings). Runtime choices
 that are not part of the checkpoint (parameter dtype, compute dtype, layer scan, attention
-kernel) live here too so one object builds a model.
+kernel, activation rematerialisation) live here too so one object builds a model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import jax.numpy as jnp
 
@@ -25,6 +25,12 @@ _ARCHITECTURES = {
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["xla", "cudnn"]
+# What the backward pass of each decoder block recomputes instead of reading from memory
+# (the policies themselves are in transformer.py): "none" saves every intermediate,
+# "block" saves only each block's input and recomputes its whole forward, "save_dots" saves
+# the weight matmul outputs and recomputes the cheap rest (norms, RoPE, activations,
+# attention scores and softmax).
+Remat = Literal["none", "block", "save_dots"]
 
 
 class UnsupportedModelError(ValueError):
@@ -43,7 +49,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder architecture plus the runtime policy (dtypes, scan, attention kernel)."""
+    """Decoder architecture plus the runtime policy (dtypes, scan, attention kernel, remat)."""
 
     model_type: Literal["llama", "mistral", "qwen2", "qwen3"]
     vocab_size: int
@@ -69,6 +75,7 @@ class ModelConfig:
     compute_dtype: DTypeName = "float32"
     scan_layers: bool = False
     attention_impl: AttentionImpl = "xla"
+    remat: Remat = "none"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -85,6 +92,9 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
             )
+        if self.remat not in get_args(Remat):
+            raise ValueError(f"remat {self.remat!r} is not supported; expected one of "
+                             f"{', '.join(map(repr, get_args(Remat)))}")
 
     def num_params(self) -> int:
         """Parameter count, embeddings included (tied embeddings counted once)."""
@@ -105,7 +115,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, param_dtype: DTypeName = "float32",
                 compute_dtype: DTypeName = "float32", scan_layers: bool = False,
-                attention_impl: AttentionImpl = "xla") -> ModelConfig:
+                attention_impl: AttentionImpl = "xla", remat: Remat = "none") -> ModelConfig:
         """Builds a config from a parsed HF `config.json` plus the runtime policy."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -155,6 +165,7 @@ class ModelConfig:
             compute_dtype=compute_dtype,
             scan_layers=scan_layers,
             attention_impl=attention_impl,
+            remat=remat,
         )
 
     def to_hf(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.models import hf_names
-from jaxrl.models.config import AttentionImpl, ModelConfig, UnsupportedModelError
+from jaxrl.models.config import AttentionImpl, ModelConfig, Remat, UnsupportedModelError
 from jaxrl.models.transformer import Transformer
 from jaxrl.sharding.rules import AxisRules, state_shardings
 
@@ -56,11 +56,13 @@ def from_pretrained(
     rules: AxisRules | None = None,
     scan_layers: bool = False,
     attention_impl: AttentionImpl = "xla",
+    remat: Remat = "none",
 ) -> Transformer:
     """Loads an HF model directory, each tensor straight onto its sharding under `rules`.
 
     `dtype` (parameters) defaults to the checkpoint's `torch_dtype`, `compute_dtype` to
-    `dtype`. Without a mesh the model lives unsharded on `jax.devices()[0]`.
+    `dtype`. Without a mesh the model lives unsharded on `jax.devices()[0]`. `scan_layers`,
+    `attention_impl` and `remat` are the runtime policy of `ModelConfig`.
     """
     path = Path(path)
     if not path.is_dir():
@@ -75,7 +77,8 @@ def from_pretrained(
                          "e.g. rules=load_layout('fsdp').train_rules")
     param_dtype = None if dtype is None else _dtype_name(dtype)
     compute_dtype = None if compute_dtype is None else _dtype_name(compute_dtype)
-    config = _read_config(config_file, param_dtype, compute_dtype, scan_layers, attention_impl)
+    config = _read_config(config_file, param_dtype, compute_dtype, scan_layers, attention_impl,
+                          remat)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     if mesh is None:
@@ -173,7 +176,7 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
 
 
 def _read_config(config_file: Path, param_dtype: str | None, compute_dtype: str | None,
-                 scan_layers: bool, attention_impl: AttentionImpl) -> ModelConfig:
+                 scan_layers: bool, attention_impl: AttentionImpl, remat: Remat) -> ModelConfig:
     """The ModelConfig of `config.json`; a malformed file is a CheckpointError naming it."""
     try:
         hf = json.loads(config_file.read_text())
@@ -181,7 +184,7 @@ def _read_config(config_file: Path, param_dtype: str | None, compute_dtype: str 
             param_dtype = _dtype_name(hf.get("torch_dtype") or hf.get("dtype") or "float32")
         return ModelConfig.from_hf(
             hf, param_dtype=param_dtype, compute_dtype=compute_dtype or param_dtype,
-            scan_layers=scan_layers, attention_impl=attention_impl)
+            scan_layers=scan_layers, attention_impl=attention_impl, remat=remat)
     except UnsupportedModelError:
         raise
     except KeyError as e:

@@ -8,7 +8,9 @@ Two entry points share all code: `__call__` (training/scoring: the given tokens 
 `extend` (sampling: append tokens to a preallocated KV cache and attend over it; prefill is
 `extend` of the prompt on an empty cache, decoding is `extend` of one token). With
 `scan_layers` the layers are stacked on a leading `layers` axis and run by `nnx.scan`, so
-compile time does not grow with depth. Logits are always float32.
+compile time does not grow with depth. `remat` rematerialises each block for the backward
+pass of the uncached forward (`__call__`, `hidden_states`): it changes what is saved vs
+recomputed, never the numbers; `extend` takes no gradients and runs without it. Logits are always float32.
 """
 
 from __future__ import annotations
@@ -20,11 +22,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.attention import Attention, cache_causal_mask, causal_mask
-from jaxrl.models.config import ModelConfig, rope_inverse_frequencies
+from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
 from jaxrl.models.layers import MLP, RMSNorm, normal, param
 from jaxrl.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", "head_dim")
+
+# The jax.checkpoint policy (which intermediates a block's backward pass reads from memory)
+# of each `remat`. "save_dots" keeps the outputs of dots without batch dimensions: in a block
+# those are the weight projections (q/k/v/o, gate/up/down), linear in T and nearly all of
+# its FLOPs, so the backward pass recomputes only the cheap rest. The attention dots
+# (scores and their product with v) have batch dimensions (batch, heads) and are recomputed:
+# the [B, N, T, S] scores grow with T^2, `checkpoint_dots` would keep them.
+_REMAT_POLICIES = {
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class KVCache(NamedTuple):
@@ -70,6 +83,19 @@ class Block(nnx.Module):
         x_BxTxE = constrain(x_BxTxE + h_BxTxE, ("batch", "seq", "act_embed"))
         x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
         return constrain(x_BxTxE, ("batch", "seq", "act_embed")), cache
+
+
+def _block_forward(remat: Remat, *, in_scan: bool):
+    """`block(x, positions, inv_freq, mask) -> x` (no cache), rematerialised per `remat`."""
+    def forward(block, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS):
+        return block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS)[0]
+
+    if remat == "none":
+        return forward
+    # Unrolled, XLA's CSE would merge the recomputation with the forward pass it repeats
+    # (undoing the remat) unless prevented; inside a scan the forward and backward loops are
+    # separate already, and the barriers that prevent it only cost time (notably on GPU).
+    return nnx.remat(forward, policy=_REMAT_POLICIES[remat], prevent_cse=not in_scan)
 
 
 def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -165,17 +191,26 @@ class Transformer(nnx.Module):
 
     def _layers(self, x_BxTxE, positions_BxT, mask_BxTxS, cache):
         inv_freq_H2 = rope_inverse_frequencies(self.config)
-        if not self.config.scan_layers:
-            kv = None if cache is None else cache[:2]
+        remat, scan = self.config.remat, self.config.scan_layers
+        if not scan and cache is None:
+            forward = _block_forward(remat, in_scan=False)
+            for block in self.layers:
+                x_BxTxE = forward(block, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS)
+            return x_BxTxE, None
+
+        if not scan:
+            kv = cache[:2]
             for i, block in enumerate(self.layers):
-                layer_cache = None if kv is None else (*kv, i, cache[2])
-                x_BxTxE, kv = block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS, layer_cache)
+                x_BxTxE, kv = block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS,
+                                    (*kv, i, cache[2]))
             return x_BxTxE, kv
 
         if cache is None:
+            forward = _block_forward(remat, in_scan=True)
+
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
             def run(block, x):
-                return block(x, positions_BxT, inv_freq_H2, mask_BxTxS)[0]
+                return forward(block, x, positions_BxT, inv_freq_H2, mask_BxTxS)
 
             return run(self.layers, x_BxTxE), None
 

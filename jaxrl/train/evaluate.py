@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxrl.data.prompts import PromptSource
+from jaxrl.data.tokenizer import stop_token_ids
 from jaxrl.rl import RewardInputs
 from jaxrl.rollout import Sampler, SamplingParams
 
@@ -41,8 +42,11 @@ def evaluate(run: Run, num_prompts: int, batch_size: int, *, seed: int) -> dict[
     n = len(ids_NxP)
     rewards = run.task.reward_set(run.tokenizer, rows)
     max_total = sum(r.weight for r in rewards.rewards)
-    config = dataclasses.replace(run.sampler.config, num_generations=1,
-                                 sampling=SamplingParams(temperature=0.0))
+    # Evaluation measures task accuracy, where stopping (at EOS) is part of the answer:
+    # rollout.ignore_eos, a training-throughput setting, does not apply here.
+    config = dataclasses.replace(
+        run.sampler.config, num_generations=1, sampling=SamplingParams(temperature=0.0),
+        stop_token_ids=stop_token_ids(run.tokenizer, run.model_config, cfg.rollout.stop_token_ids))
     graphdef, params = run.policy()
     sampler = Sampler(graphdef, config, mesh=run.mesh, rules=run.layout.rollout_rules)
     score = jax.jit(rewards.score)
