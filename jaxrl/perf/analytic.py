@@ -1,0 +1,64 @@
+"""The analytic FLOP count of the phase programs: the cross-check of XLA's cost analysis.
+
+Counting matmuls only (2 FLOPs per multiply-add), for a decoder with L layers, hidden E,
+n query / k kv heads of size d, MLP width F and vocabulary V:
+
+    N_layer   = E·d·(2n + 2k) + 3·E·F                 matmul weights of one layer
+    forward   = 2·L·N_layer per token                  (the "2·N per token")
+              + 4·L·n·d·S per token                    attention: q·kᵀ and p·v over S keys
+              + 2·E·V per projected position           the vocabulary projection
+    backward  = 2 x forward                            (grads of activations and weights)
+
+so a trained token costs 6·N + attention (the "6·N per trained token"). The counts follow
+what the programs compute, padding included: training attends over the whole row of
+T = P + C tokens (a masked square) and projects only the C completion positions onto the
+vocabulary; prefill writes P prompt tokens into a cache of S = P + C - 1 slots and attends
+over all of them; a decode step attends one token over the whole cache. Norms, RoPE,
+softmax, SwiGLU gates and the optimizer update are elementwise and not counted here, which
+is why XLA's count is a few percent higher on small models.
+"""
+
+from __future__ import annotations
+
+from jaxrl.models import ModelConfig
+
+
+def layer_matmul_params(config: ModelConfig) -> int:
+    """N_layer: the weights of one decoder layer that take part in matmuls."""
+    e, d = config.hidden_size, config.head_dim
+    return e * d * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * e * config.intermediate_size
+
+
+def forward_flops(config: ModelConfig, rows: int, tokens: int, keys: int,
+                  projected: int) -> float:
+    """Forward FLOPs of `rows` x `tokens` new tokens attending over `keys` keys each, with
+    `projected` positions per row projected onto the vocabulary."""
+    layers = config.num_layers
+    dense = 2 * layers * layer_matmul_params(config) * tokens
+    attention = 4 * layers * config.num_heads * config.head_dim * keys * tokens
+    vocab = 2 * config.hidden_size * config.vocab_size * projected
+    return float(rows * (dense + attention + vocab))
+
+
+def prefill_flops(config: ModelConfig, prompts: int, prompt_len: int,
+                  max_new_tokens: int) -> float:
+    """One prefill of `prompts` rows of `prompt_len` tokens (last position projected)."""
+    return forward_flops(config, prompts, prompt_len, prompt_len + max_new_tokens - 1, 1)
+
+
+def decode_step_flops(config: ModelConfig, rows: int, prompt_len: int,
+                      max_new_tokens: int) -> float:
+    """One decode step: one token per row over the whole cache of P + C - 1 slots."""
+    return forward_flops(config, rows, 1, prompt_len + max_new_tokens - 1, 1)
+
+
+def logprob_flops(config: ModelConfig, rows: int, prompt_len: int,
+                  completion_len: int) -> float:
+    """Completion log-probs of `rows` sequences of P + C tokens (forward only)."""
+    seq = prompt_len + completion_len
+    return forward_flops(config, rows, seq, seq, completion_len)
+
+
+def grad_flops(config: ModelConfig, rows: int, prompt_len: int, completion_len: int) -> float:
+    """Loss and gradients of `rows` sequences: forward + backward = 3 x forward."""
+    return 3 * logprob_flops(config, rows, prompt_len, completion_len)
