@@ -57,12 +57,14 @@ def token_entropy(logits_BxTxV: jax.Array, temperature: float = 1.0) -> jax.Arra
 
 def chunked_log_probs_and_entropy(hidden_BxTxE: jax.Array, w_ExV: jax.Array,
                                   targets_BxT: jax.Array, *, temperature: float = 1.0,
-                                  chunk_size: int = 8192) -> tuple[jax.Array, jax.Array]:
+                                  chunk_size: int = 8192, unroll: bool = False,
+                                  ) -> tuple[jax.Array, jax.Array]:
     """(logp_BxT, entropy_BxT) of logits = hidden @ w / T, never materialising [B, T, V].
 
     Equal to `token_log_probs` and `token_entropy` of `hidden @ w` (see the module docstring
     for the online softmax); `chunk_size` trades peak memory (B·T·chunk_size floats) against
-    the number of scan steps, and need not divide V.
+    the number of scan steps, and need not divide V. `unroll` unrolls the scan (same
+    numbers; for FLOP accounting, since XLA's cost analysis counts a loop body once).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -97,6 +99,7 @@ def chunked_log_probs_and_entropy(hidden_BxTxE: jax.Array, w_ExV: jax.Array,
     zeros_BxT = jnp.zeros(batch_shape, jnp.float32)
     init = (jnp.full(batch_shape, -jnp.inf, jnp.float32), zeros_BxT, zeros_BxT, zeros_BxT)
     starts_N = jnp.arange(num_chunks, dtype=jnp.int32) * chunk_size
-    (m_BxT, s_BxT, a_BxT, tgt_BxT), _ = jax.lax.scan(step, init, starts_N)
+    (m_BxT, s_BxT, a_BxT, tgt_BxT), _ = jax.lax.scan(step, init, starts_N,
+                                                     unroll=unroll or 1)
     lse_BxT = m_BxT + jnp.log(s_BxT)
     return tgt_BxT - lse_BxT, lse_BxT - a_BxT / s_BxT

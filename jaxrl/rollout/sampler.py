@@ -63,7 +63,7 @@ class Rollout:
     num_steps: jax.Array
 
 
-def _sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,
+def sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,
                  params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`sample_tokens`, run per device on its own rows when a mesh is active.
 
@@ -94,10 +94,29 @@ def prompt_keys(key: jax.Array, num_prompts: int) -> jax.Array:
     return key
 
 
+def prefill(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
+            max_new_tokens: int) -> tuple[jax.Array, KVCache, jax.Array]:
+    """(last column's logits_BxV, cache, positions_BxP): one pass over the prompts into an
+    empty cache of P + max_new_tokens - 1 slots (the last sampled token is never fed back)."""
+    num_prompts, prompt_len = prompt_ids_BxP.shape
+    cache = KVCache.init(model.config, num_prompts, prompt_len + max_new_tokens - 1)
+    positions_BxP = default_positions(prompt_mask_BxP)
+    logits_Bx1xV, cache = model.extend(prompt_ids_BxP, positions_BxP, cache,
+                                       prompt_mask_BxP.astype(bool), last_only=True)
+    return logits_Bx1xV[:, 0], cache, positions_BxP
+
+
+def decode_step(model: Transformer, token_B: jax.Array, position_B: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """(logits_BxV, cache): one token per row appended to the cache, attending over all of it."""
+    logits_Bx1xV, cache = model.extend(token_B[:, None], position_B[:, None], cache)
+    return logits_Bx1xV[:, 0], cache
+
+
 def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
            key: jax.Array, config: SamplerConfig) -> Rollout:
     """Samples `num_generations` completions per left-padded prompt (pure; call under jit)."""
-    num_prompts, prompt_len = prompt_ids_BxP.shape
+    num_prompts = prompt_ids_BxP.shape[0]
     n, steps = config.num_generations, config.max_new_tokens
     prompt_mask_BxP = prompt_mask_BxP.astype(bool)
 
@@ -106,17 +125,14 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
     # fresh Variables holding the same arrays.
     graphdef, weights = nnx.split(model)
 
-    # The last sampled token is never fed back, so it needs no slot.
-    cache = KVCache.init(model.config, num_prompts, prompt_len + steps - 1)
-    positions_BxP = default_positions(prompt_mask_BxP)
-    logits_Bx1xV, cache = nnx.merge(graphdef, weights, copy=True).extend(
-        prompt_ids_BxP, positions_BxP, cache, prompt_mask_BxP, last_only=True)
+    logits_BxV, cache, positions_BxP = prefill(
+        nnx.merge(graphdef, weights, copy=True), prompt_ids_BxP, prompt_mask_BxP, steps)
 
     def repeat(x, axis):
         return jnp.repeat(x, n, axis=axis)
 
     cache = KVCache(repeat(cache.k, 1), repeat(cache.v, 1), repeat(cache.valid_BxS, 0), cache.end)
-    logits_BxV = repeat(logits_Bx1xV[:, 0], 0)
+    logits_BxV = repeat(logits_BxV, 0)
     next_position_B = repeat(positions_BxP[:, -1] + 1, 0)
     row_keys_B = jax.vmap(lambda k: jax.random.split(k, n))(
         prompt_keys(key, num_prompts)).reshape(-1)
@@ -125,7 +141,7 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
 
     def draw(t, logits_BxV, done_B, out):
         keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_B, t)
-        token_B, logp_B, logp_raw_B = _sample_rows(keys_B, logits_BxV, config.sampling)
+        token_B, logp_B, logp_raw_B = sample_rows(keys_B, logits_BxV, config.sampling)
         active_B = ~done_B
         token_B = jnp.where(active_B, token_B, config.pad_token_id)
         tokens_BxC, mask_BxC, logp_BxC, logp_raw_BxC = out
@@ -145,9 +161,9 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
 
     def body(state):
         t, token_B, cache, done_B, position_B, out = state
-        logits_Bx1xV, cache = nnx.merge(graphdef, weights, copy=True).extend(
-            token_B[:, None], position_B[:, None], cache)
-        token_B, done_B, out = draw(t, logits_Bx1xV[:, 0], done_B, out)
+        logits_BxV, cache = decode_step(nnx.merge(graphdef, weights, copy=True), token_B,
+                                        position_B, cache)
+        token_B, done_B, out = draw(t, logits_BxV, done_B, out)
         return t + 1, token_B, cache, done_B, position_B + 1, out
 
     state = (jnp.int32(1), token_B, cache, done_B, next_position_B, out)

@@ -187,22 +187,26 @@ def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) ->
 
 
 def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
-                         chunk_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+                         chunk_size: int | None = None, *, unroll: bool = False,
+                         ) -> tuple[jax.Array, jax.Array]:
     """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
 
-    With `chunk_size` the vocabulary projection runs in chunks of that many columns
-    (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once.
+    Only the C positions that predict completion tokens are projected onto the vocabulary.
+    With `chunk_size` the projection runs in chunks of that many columns
+    (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
+    unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
     """
     c = batch["loss_mask_BxC"].shape[1]
     targets_BxC = batch["ids_BxT"][:, -c:]
-    # The logit at position t predicts token t + 1: completion token i is predicted at P - 1 + i.
+    # The hidden state at position t predicts token t + 1: completion token i is predicted
+    # at P - 1 + i.
+    hidden_BxCxE = model.hidden_states(batch["ids_BxT"], batch["mask_BxT"])[:, -c - 1:-1]
     if chunk_size is not None:
-        hidden_BxTxE = model.hidden_states(batch["ids_BxT"], batch["mask_BxT"])
         return chunked_log_probs_and_entropy(
-            hidden_BxTxE[:, -c - 1:-1], model.output_embedding(), targets_BxC,
-            temperature=temperature, chunk_size=chunk_size)
-    logits_BxTxV = model(batch["ids_BxT"], attention_mask=batch["mask_BxT"])
-    logits_BxCxV = logits_BxTxV[:, -c - 1:-1]
+            hidden_BxCxE, model.output_embedding(), targets_BxC, temperature=temperature,
+            chunk_size=chunk_size, unroll=unroll)
+    logits_BxCxV = jnp.einsum("bce,ev->bcv", hidden_BxCxE, model.output_embedding(),
+                              preferred_element_type=jnp.float32)
     return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
             token_entropy(logits_BxCxV, temperature))
 
@@ -229,6 +233,20 @@ def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: 
     return jax.lax.stop_gradient(_unsplit(parts))
 
 
+def microbatch_loss(cfg: StepConfig, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
+                    num_seqs: jax.Array, *, unroll: bool = False,
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
+    counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus old (and ref) log-probs."""
+    logp_BxC, entropy_BxC = completion_log_probs(model, mb, cfg.temperature,
+                                                 cfg.logprob_chunk_size, unroll=unroll)
+    return policy_loss(
+        logp_BxC, mb["old_logp_BxC"], mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
+        ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
+        entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
+        num_tokens=num_tokens, num_seqs=num_seqs)
+
+
 def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
              ref_params: nnx.State | None = None,
              lr_schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
@@ -238,7 +256,7 @@ def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
     (and tis/weight_mean), grad_norm (global norm before clipping) and lr (when a schedule is
     given).
     """
-    rows, c = batch["loss_mask_BxC"].shape
+    rows = batch["loss_mask_BxC"].shape[0]
     minibatch, num_micro = cfg.batch_split(rows)
     total_micro = rows // (cfg.microbatch_size or minibatch)
     model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
@@ -256,13 +274,7 @@ def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
         del batch["sampler_logp_BxC"]
 
     def loss_fn(model, mb, num_tokens, num_seqs):
-        logp_BxC, entropy_BxC = completion_log_probs(model, mb, cfg.temperature,
-                                                     cfg.logprob_chunk_size)
-        return policy_loss(
-            logp_BxC, mb["old_logp_BxC"], mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
-            ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
-            entropy_BxT=entropy_BxC, max_completion_len=c, num_tokens=num_tokens,
-            num_seqs=num_seqs)
+        return microbatch_loss(cfg, model, mb, num_tokens, num_seqs)
 
     graphdef = nnx.graphdef(ts)
 
