@@ -19,6 +19,7 @@ from rich.console import Console  # noqa: E402
 from jaxrl.config import ConfigError, load_config, shipped_config  # noqa: E402
 from jaxrl.models.config import UnsupportedModelError  # noqa: E402
 from jaxrl.models.hf_io import CheckpointError  # noqa: E402
+from jaxrl.perf.memory import MemoryFitError  # noqa: E402
 from jaxrl.runtime import configure_xla  # noqa: E402
 from jaxrl.sharding.layout import LayoutError  # noqa: E402
 
@@ -52,11 +53,31 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.bench import run_bench
+    from jaxrl.train.experiment import ExperimentConfig
+
+    path = args.config or str(shipped_config("quickstart.yaml"))
+    result = run_bench(load_config(ExperimentConfig, path, args.overrides), console, path,
+                       steps=args.steps, warmup=args.warmup, profile=args.profile)
+    print(json.dumps(result))
+    return 0
+
+
+def _bench_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
+    parser.add_argument("--profile", action="store_true",
+                        help="write a jax.profiler trace of the measured steps to the run dir")
+
+
 COMMANDS = {
     "check": (_check, "build a model on the device mesh, print its layout, run a sharded forward"),
     "generate": (_generate, "sample completions from a model directory for a few prompts"),
     "train": (_train, "run an RL experiment (GRPO family) from a config and overrides"),
+    "bench": (_bench, "time the RL step of a config: tokens/s, MFU, HFU, time split, memory"),
 }
+OPTIONS = {"bench": _bench_options}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", nargs="?", help="experiment YAML (optional for check)")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+        if name in OPTIONS:
+            OPTIONS[name](p)
     return parser
 
 
@@ -83,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         console.print(f"[bold red]config error[/]: {e}")
         return EXIT_CONFIG_ERROR
-    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError) as e:
+    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError,
+            MemoryFitError) as e:
         console.print(f"[bold red]error[/]: {e}")
         return EXIT_CONFIG_ERROR
 

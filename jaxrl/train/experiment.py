@@ -8,6 +8,7 @@
     data      the task (prompts + verifier rewards) and how prompts are batched
     train     run directory, steps, seed, the final evaluation
     log       TensorBoard, the reward plot, progress lines
+    perf      peak FLOP/s and memory limit overrides, FLOP counting on/off
 
 `load_config(ExperimentConfig, path, overrides)` fills it from YAML and dotted overrides; every
 section validates itself in `__post_init__`, so a bad value fails before anything compiles.
@@ -40,10 +41,13 @@ class InitSection:
     num_kv_heads: int = 2
     tie_word_embeddings: bool = True
     rope_theta: float = 10_000.0
+    vocab_size: int | None = None  # null: the tokenizer's; larger: extra rows (benchmarks)
 
     def __post_init__(self):
         if not self.rope_theta > 0:
             _fail("model.init", self, "rope_theta", "> 0")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            _fail("model.init", self, "vocab_size", ">= 1 or null")
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads"):
             if getattr(self, name) < 1:
@@ -129,6 +133,21 @@ class LogSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class PerfSection:
+    """`perf`: the FLOP/s and memory a device is measured against (MFU, the memory fit)."""
+
+    peak_tflops: float | None = None  # per device; null: table by device kind, measured on CPU
+    memory_limit_gib: float | None = None  # per device; null: the device's own memory
+    count_flops: bool = True  # compile the phase programs to count FLOPs (perf/mfu, perf/hfu)
+
+    def __post_init__(self):
+        for name in ("peak_tflops", "memory_limit_gib"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                _fail("perf", self, name, "> 0 or null")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """A whole experiment (module docstring); checks that span sections."""
 
@@ -140,6 +159,7 @@ class ExperimentConfig:
     data: DataSection = dataclasses.field(default_factory=DataSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
+    perf: PerfSection = dataclasses.field(default_factory=PerfSection)
 
     def __post_init__(self):
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.num_generations < 2:

@@ -7,12 +7,20 @@
     save the final policy, evaluate greedily on held-out prompts, plot, print the summary
 
 The host never waits on the device inside the loop except to fetch metrics one step late
-(nanodo's pattern), so host work (next batch, logging) overlaps device work. Step N-1's
-`time/step_s` is the interval between the moments its metrics and step N-2's reached the
-host: in steady state that is the device time per step; step 0's includes compilation.
-`time/elapsed_s` counts from the first dispatch; `perf/tokens_per_s` is completion tokens
-(sampled, the stop token included) per second of `time/step_s`. With `train.target_reward` set, the summary
-says when the moving average of reward/mean over TARGET_WINDOW steps first reached it.
+(nanodo's pattern), so host work (next batch, logging) overlaps device work.
+
+Before step 0, `preflight` compiles the step ahead of time, stops with a clear error if it
+will not fit in device memory, and counts its FLOPs. Per step:
+
+    time/step_s          end of step N-1 to end of step N on the device's timeline (host
+                         stamps inside the program, `jaxrl.train.clock`), host stalls included
+    time/generate_s      prompts in -> rollout complete;  time/train_s: -> last update done
+    time/elapsed_s       since the first dispatch
+    perf/tokens_per_s    completion tokens (sampled, the stop token included) / time/step_s
+    perf/mfu, perf/hfu   the step's model / XLA FLOPs / (time/step_s x devices x peak)
+
+With `train.target_reward` set, the summary says when the moving average of reward/mean over
+TARGET_WINDOW steps first reached it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import RunDirError, to_yaml
+from jaxrl.train.clock import step_seconds
 from jaxrl.train.evaluate import evaluate
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import (
@@ -40,6 +49,7 @@ from jaxrl.train.metrics_log import (
     summary_table,
     to_record,
 )
+from jaxrl.train.preflight import Preflight, preflight
 from jaxrl.train.run import Run, build_run
 
 __all__ = ["RunDirError", "train"]
@@ -91,11 +101,19 @@ def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    key = jax.random.key(cfg.train.seed)
+    first = run.place(next(run.batches))
+    try:
+        pre = preflight(run, (*first, jax.random.fold_in(key, 0)), console)
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     setup_s = time.perf_counter() - start
     log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard)
     try:
-        train_s = _loop(cfg, run, log, console)
-        summary = _summary(cfg, run, log.records, setup_s, train_s)
+        train_s = _loop(cfg, run, pre, first, key, log, console)
+        summary = _summary(cfg, run, pre, log.records, setup_s, train_s)
         if cfg.train.save_final:
             summary["final_model"] = str(run.save_policy(run_dir / FINAL_MODEL_DIR))
         if cfg.train.eval_prompts and run.task.eval_rows is not None:
@@ -115,10 +133,11 @@ def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict
     return summary
 
 
-def _loop(cfg: ExperimentConfig, run: Run, log: MetricsLog, console: Console) -> float:
-    """All steps; returns the seconds from the first dispatch to the last metrics."""
+def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, ...],
+          key: jax.Array, log: MetricsLog, console: Console) -> float:
+    """All steps (`first`: step 0's placed batch); returns the seconds from the first
+    dispatch to the last metrics."""
     state = run.state
-    key = jax.random.key(cfg.train.seed)
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
@@ -126,20 +145,27 @@ def _loop(cfg: ExperimentConfig, run: Run, log: MetricsLog, console: Console) ->
     bar = progress.add_task("train", total=cfg.train.max_steps, status="compiling...")
     pending: tuple[int, dict[str, jax.Array]] | None = None
     last_fetch = start = time.perf_counter()
+    last_end: float | None = None
 
     def record(step: int, metrics: dict[str, jax.Array]) -> None:
-        nonlocal last_fetch
+        nonlocal last_fetch, last_end
         host = jax.device_get(metrics)
         now = time.perf_counter()
-        step_s, last_fetch = now - last_fetch, now
+        stamps = run.step.clock.pop()
+        step_s = step_seconds(stamps, last_end)
+        if step_s is None:  # no stamps: the interval between two fetches
+            step_s = now - last_fetch
+        last_fetch, last_end = now, stamps.get("end")
         host["time/step_s"] = step_s
         host["time/elapsed_s"] = now - start
         tokens = float(host["completion/len_mean"]) * run.rows
         host["perf/tokens_per_s"] = tokens / step_s
+        host.update(pre.step_metrics(host, step_s, stamps))
         line = to_record(step, host)
         log.write(line)
+        mfu = f"  MFU {line['perf/mfu']:.1%}" if "perf/mfu" in line else ""
         status = (f"reward {line['reward/mean']:.3f}  {step_s * 1e3:.0f} ms/step  "
-                  f"{line['perf/tokens_per_s']:.0f} tok/s")
+                  f"{line['perf/tokens_per_s']:.0f} tok/s{mfu}")
         progress.update(bar, completed=step + 1, status=status)
         if not console.is_terminal and (step % cfg.log.print_every == 0
                                         or step == cfg.train.max_steps - 1):
@@ -149,9 +175,9 @@ def _loop(cfg: ExperimentConfig, run: Run, log: MetricsLog, console: Console) ->
     with progress:
         try:
             for step in range(cfg.train.max_steps):
-                batch = next(run.batches)
-                state, metrics = run.step(state, *run.place(batch),
-                                          jax.random.fold_in(key, step), run.ref_params)
+                placed = first if step == 0 else run.place(next(run.batches))
+                state, metrics = run.step(state, *placed, jax.random.fold_in(key, step),
+                                          run.ref_params)
                 if pending is not None:
                     record(*pending)
                 pending = (step, metrics)
@@ -167,11 +193,11 @@ def _is_recorded(log: MetricsLog, step: int) -> bool:
     return bool(log.records) and log.records[-1]["step"] == step
 
 
-def _summary(cfg: ExperimentConfig, run: Run, records: list[dict[str, float]], setup_s: float,
-             train_s: float) -> dict[str, Any]:
+def _summary(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict[str, float]],
+             setup_s: float, train_s: float) -> dict[str, Any]:
     """What the run did, for the table and the final JSON line (snake_case keys)."""
     rewards_N = np.array([r["reward/mean"] for r in records])
-    later = records[1:] or records  # step 0's time includes compilation
+    later = records[1:] or records  # step 0 also pays first-run costs (allocation, caches)
     window = max(1, len(records) // 20)
     return {
         "run_dir": str(run.run_dir),
@@ -181,7 +207,14 @@ def _summary(cfg: ExperimentConfig, run: Run, records: list[dict[str, float]], s
         "first_step_s": records[0]["time/step_s"],
         "median_step_s": float(np.median([r["time/step_s"] for r in later])),
         "tokens_per_s": float(np.median([r["perf/tokens_per_s"] for r in later])),
-        "step_compilations": _compilations(run),
+        **{f"{key}_median": float(np.median(values)) for key, values in (
+            (key, [r[name] for r in later if name in r])
+            for key, name in (("mfu", "perf/mfu"), ("hfu", "perf/hfu"),
+                              ("generate_s", "time/generate_s"), ("train_s", "time/train_s")))
+           if values},
+        "peak_memory_bytes": pre.memory.peak_bytes if pre.memory.programs else None,
+        "device_memory_bytes": pre.memory.limit_bytes,
+        "step_compilations": run.step.num_compilations(),
         "reward_first": float(rewards_N[0]),
         "reward_last": float(rewards_N[-window:].mean()),
         "reward_last_window": window,
@@ -203,8 +236,3 @@ def _target(target: float | None, records: list[dict[str, float]]) -> dict[str, 
     return {"target_reward": target, "target_reached": True, "target_step": first["step"],
             "target_elapsed_s": first["time/elapsed_s"]}
 
-
-def _compilations(run: Run) -> int | None:
-    """Programs compiled for the step so far (1 per program when nothing recompiled)."""
-    sizes = [getattr(p, "_cache_size", None) for p in run.step.programs]
-    return None if None in sizes else sum(size() for size in sizes)

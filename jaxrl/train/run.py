@@ -117,7 +117,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
     model = from_pretrained(model_path, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
-                            attention_impl=cfg.model.attention_impl)
+                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
     model_config = model.config
     console.print(f"[bold]policy[/]: {model_config.model_type}, "
                   f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
@@ -140,7 +140,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
     ts = train_state_from_model(model, cfg.optim, mesh, layout.train_rules)
     sampler_config = SamplerConfig(
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
-        stop_token_ids=stop_token_ids(tokenizer, model_config, cfg.rollout.stop_token_ids),
+        stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
+            tokenizer, model_config, cfg.rollout.stop_token_ids),
         pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params())
     sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=mesh,
                       rules=layout.rollout_rules)
@@ -157,8 +158,12 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
     """A random `model.init` policy for `tokenizer`, saved with it in HF format at `path`."""
     init = cfg.model.init
     dtype = cfg.model.dtype or "float32"
+    vocab_size = init.vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ConfigError(f"model.init.vocab_size={vocab_size} must be at least the "
+                          f"tokenizer's {len(tokenizer)} tokens (or null)")
     config = ModelConfig(
-        model_type=init.family, vocab_size=len(tokenizer), hidden_size=init.hidden_size,
+        model_type=init.family, vocab_size=vocab_size, hidden_size=init.hidden_size,
         intermediate_size=init.intermediate_size, num_layers=init.num_layers,
         num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
         head_dim=init.hidden_size // init.num_heads,

@@ -19,7 +19,17 @@ the totals bit-identical to the fused program's.
 On a mesh the whole program traces under the *train* rules (`use_rules` inside the jitted
 function); the sampler switches to its own rollout rules and reshards the weights itself.
 The new state is pinned to the shardings of its logical axes, so a donated state keeps its
-layout step after step. `fields_P` (in-graph task fields) and `rows_P` (dataset rows, for
+layout step after step.
+
+Phase times: host callbacks inside the programs stamp when the prompts arrive, when the
+rollout is complete and when the last update is done (`PhaseClock`); each stamp is wired into
+the data flow (the prompts, the sampled ids and a metric pass through its zero result), so
+XLA cannot move it away from its phase. `clock.pop()` gives `time/generate_s` and
+`time/train_s` of the oldest step not yet popped. In split mode the train program stamps its
+own start, so host reward scoring between the programs counts in neither.
+
+`compile(...)` compiles the program(s) ahead of the first call (so their memory analysis is
+known before anything runs); later calls run those executables, which never recompile. `fields_P` (in-graph task fields) and `rows_P` (dataset rows, for
 the host fields of Python rewards) are per prompt; they are repeated for the G samples.
 """
 
@@ -30,12 +40,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.rl import RewardInputs, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
+from jaxrl.train.clock import PhaseClock
 from jaxrl.train.optimizer import OptimConfig, learning_rate_schedule
 from jaxrl.train.phases import (
     StepConfig,
@@ -70,6 +82,8 @@ class Step:
         self.cfg, self.graphdef, self.sampler, self.rewards = cfg, graphdef, sampler, rewards
         self.mesh, self.rules = mesh, rules
         self._schedule = None if optim is None else learning_rate_schedule(optim)
+        self.clock = PhaseClock()
+        self._compiled: dict[str, Any] = {}
         if cfg.mode == "fused":
             self._fused = jax.jit(self._fused_body, donate_argnums=0)
             self.programs: tuple[Callable[..., Any], ...] = (self._fused,)
@@ -82,10 +96,42 @@ class Step:
                  rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
                  ) -> tuple[nnx.State, Metrics]:
         if self.cfg.mode == "fused":
-            return self._fused(state, prompts, fields_P, rows_P, key, ref_params)
-        rollout, inputs = self._generate(state, prompts, fields_P, rows_P, key)
+            fused = self._compiled.get("step", self._fused)
+            return fused(state, prompts, fields_P, rows_P, key, ref_params)
+        rollout, inputs = self._compiled.get("generate", self._generate)(
+            state, prompts, fields_P, rows_P, key)
         host_values = self.rewards.score_host(inputs) if self.rewards.python_rewards else None
-        return self._train(state, rollout, inputs, host_values, ref_params)
+        return self._compiled.get("train", self._train)(state, rollout, inputs, host_values,
+                                                        ref_params)
+
+    def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
+                rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
+                ) -> dict[str, Any]:
+        """{name: jax Compiled} of the program(s) for these arguments ("step", or "generate"
+        and "train"), compiled now and run by every later call; nothing is executed."""
+        if self.cfg.mode == "fused":
+            self._compiled = {"step": self._fused.lower(
+                state, prompts, fields_P, rows_P, key, ref_params).compile()}
+            return dict(self._compiled)
+        generate = self._generate.lower(state, prompts, fields_P, rows_P, key).compile()
+        shapes = jax.eval_shape(self._generate, state, prompts, fields_P, rows_P, key)
+        outputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                               shapes, generate.output_shardings)
+        host_values = None
+        if self.rewards.python_rewards:
+            k, b = len(self.rewards.python_rewards), shapes[0].completion_ids_BxC.shape[0]
+            host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32),
+                           jax.ShapeDtypeStruct((b,), jnp.float32))
+        train = self._train.lower(state, *outputs, host_values, ref_params).compile()
+        self._compiled = {"generate": generate, "train": train}
+        return dict(self._compiled)
+
+    def num_compilations(self) -> int | None:
+        """Programs compiled for the step so far (1 per program when nothing recompiled)."""
+        sizes = [getattr(p, "_cache_size", None) for p in self.programs]
+        if None in sizes:
+            return None
+        return len(self._compiled) + sum(size() for size in sizes)
 
     def _rules(self):
         if self.mesh is None:
@@ -96,14 +142,21 @@ class Step:
                        ) -> tuple[Rollout, RewardInputs]:
         with self._rules():
             model = nnx.merge(self.graphdef, state).model
+            prompts = Prompts(prompts.ids_BxP + self.clock.mark("start", prompts.ids_BxP),
+                              prompts.mask_BxP)
             rollout = generate(self.sampler, nnx.state(model), prompts, key)
+            done = self.clock.mark("generated", rollout.num_steps)
+            rollout = rollout.replace(completion_ids_BxC=rollout.completion_ids_BxC + done)
             return rollout, reward_inputs(rollout, fields_P, rows_P,
                                           self.sampler.config.num_generations)
 
-    def _train_body(self, state, rollout, inputs, host_values, ref_params
+    def _train_body(self, state, rollout, inputs, host_values, ref_params, *, fused=False
                     ) -> tuple[nnx.State, Metrics]:
         g = self.sampler.config.num_generations
         with self._rules():
+            if not fused:
+                start = self.clock.mark("train_start", rollout.num_steps)
+                rollout = rollout.replace(completion_ids_BxC=rollout.completion_ids_BxC + start)
             ts = nnx.merge(self.graphdef, state)
             rewards_B, metrics = score(self.rewards, inputs, host_values)
             rewards_B, shaping_metrics = shape_rewards(self.cfg, rewards_B,
@@ -119,12 +172,17 @@ class Step:
             if self.mesh is not None:
                 new_state = jax.lax.with_sharding_constraint(
                     new_state, state_shardings(new_state, self.mesh, self.rules))
+            # A reduction over every new parameter: the stamp waits for the last update.
+            params_sum = sum(jnp.sum(x.astype(jnp.float32))
+                             for x in jax.tree.leaves(nnx.state(ts.model, nnx.Param)))
+            done = self.clock.mark("end", params_sum)
+            metrics["grad_norm"] = metrics["grad_norm"] + done.astype(jnp.float32)
             return new_state, metrics
 
     def _fused_body(self, state, prompts, fields_P, rows_P, key, ref_params
                     ) -> tuple[nnx.State, Metrics]:
         rollout, inputs = self._generate_body(state, prompts, fields_P, rows_P, key)
-        return self._train_body(state, rollout, inputs, None, ref_params)
+        return self._train_body(state, rollout, inputs, None, ref_params, fused=True)
 
 
 def build_step(cfg: StepConfig, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet,

@@ -53,6 +53,10 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     (["data.source=prompts.jsonl"], ["data.source", "data.task=addition"]),
     (["rollout.temperature=0.7"], ["algo.temperature=1.0", "rollout.temperature=0.7"]),
     (["sharding.layout=nope"], ["nope", "fsdp_tp"]),
+    (["perf.peak_tflops=0"], ["perf.peak_tflops", "0"]),
+    # The step is compiled and checked against the limit before anything runs.
+    (["perf.memory_limit_gib=0.0001"], ["step program", "per device, more than the",
+                                        "Try one of", "model.remat=block"]),
 ])
 def test_bad_config_exits_2_naming_the_key(overrides, words, tmp_path, capsys):
     code = main(["train", QUICKSTART, f"train.run_dir={tmp_path / 'run'}",

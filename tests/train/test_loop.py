@@ -26,7 +26,8 @@ SMALL = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
          "rollout.num_generations=4", "algo.num_minibatches=2", "train.max_steps=3",
          "train.eval_prompts=20", "train.eval_batch_size=8", "log.print_every=1",
          "train.target_reward=0.0"]
-TIMING = ("time/step_s", "time/elapsed_s", "perf/tokens_per_s")
+TIMING = ("time/step_s", "time/elapsed_s", "time/generate_s", "time/train_s",
+          "perf/tokens_per_s", "perf/mfu", "perf/hfu")
 
 
 def _config(tmp_path, *overrides):
@@ -102,6 +103,40 @@ def test_fused_step_compiles_once_and_the_summary_adds_up(fused_run):
     assert summary["first_step_s"] == records[0]["time/step_s"]
 
 
+def test_every_step_records_flops_mfu_and_the_time_split(fused_run):
+    _, summary = fused_run
+    records = read_metrics(f"{summary['run_dir']}/metrics.jsonl")
+    for r in records:
+        assert r["perf/model_flops"] > 0 and r["perf/xla_flops"] >= 0.99 * r["perf/model_flops"]
+        # Model FLOPs over the step's seconds and the 8 devices' peak, by hand.
+        assert r["perf/mfu"] > 0 and r["perf/hfu"] >= 0.99 * r["perf/mfu"]
+        assert r["time/generate_s"] > 0 and r["time/train_s"] > 0
+        # Both phases lie inside the step: prompts in -> last update, after the last step.
+        assert r["time/generate_s"] + r["time/train_s"] <= r["time/step_s"] + 1e-3
+    # The analytic count is the cross-check: within 10% of XLA's on this tiny model.
+    r = records[-1]
+    assert 0.9 < r["perf/analytic_flops"] / r["perf/model_flops"] <= 1.0
+    # A step that decoded fewer tokens did less work.
+    by_steps = {r["rollout/num_steps"]: r["perf/model_flops"] for r in records}
+    assert sorted(by_steps.values()) == [by_steps[k] for k in sorted(by_steps)]
+    assert summary["peak_memory_bytes"] > 0
+    assert summary["device_memory_bytes"] > summary["peak_memory_bytes"]
+    assert 0 < summary["mfu_median"] and summary["generate_s_median"] > 0
+
+
+def test_a_step_that_does_not_fit_stops_before_training_with_suggestions(tmp_path):
+    from jaxrl.perf import MemoryFitError
+
+    cfg = _config(tmp_path, "perf.memory_limit_gib=0.0001")
+    with pytest.raises(MemoryFitError) as info:
+        loop.train(cfg, _console())
+    message = str(info.value)
+    assert "step program" in message and "perf.memory_limit_gib" in message
+    for suggestion in ("algo.microbatch_size=", "model.remat=block", "rollout.max_new_tokens=2"):
+        assert suggestion in message
+    assert not (tmp_path / "run").exists()  # nothing ran, nothing is left behind
+
+
 def test_split_mode_compiles_two_programs_once_and_matches_fused_metrics(fused_run, tmp_path):
     cfg, fused = fused_run
     split = loop.train(_config(tmp_path, "algo.mode=split"), _console(), name="split")
@@ -130,20 +165,33 @@ def test_another_seed_gives_other_metrics_and_a_kl_term_runs(fused_run, tmp_path
     assert "final_model" not in other and not Path(other["run_dir"], "final_model").exists()
 
 
+class _Spy:
+    """The run's Step with `hook()` called before each step call."""
+
+    def __init__(self, step, hook):
+        self._step, self._hook = step, hook
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+    def __call__(self, *args, **kwargs):
+        self._hook()
+        return self._step(*args, **kwargs)
+
+
 def test_metrics_already_computed_survive_a_failing_step(tmp_path, monkeypatch):
     build_run = loop.build_run
 
     def failing_build_run(*args, **kwargs):
         run = build_run(*args, **kwargs)
-        step, calls = run.step, []
+        calls = []
 
-        def fail_on_third(*a, **k):
+        def fail_on_third():
             calls.append(1)
             if len(calls) == 3:
                 raise RuntimeError("simulated failure at step 2")
-            return step(*a, **k)
 
-        run.step = fail_on_third
+        run.step = _Spy(run.step, fail_on_third)
         return run
 
     monkeypatch.setattr(loop, "build_run", failing_build_run)
@@ -161,14 +209,7 @@ def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(fused_r
 
     def spying_build_run(*args, **kwargs):
         run = build_run(*args, **kwargs)
-        step = run.step
-
-        def dispatch(*a, **k):
-            events.append("dispatch")
-            return step(*a, **k)
-
-        run.step = dispatch
-        run.step.programs = step.programs
+        run.step = _Spy(run.step, lambda: events.append("dispatch"))
         return run
 
     device_get = jax.device_get
@@ -208,3 +249,13 @@ def test_target_is_the_first_full_window_whose_mean_reaches_it():
 def test_moving_average_by_hand():
     np.testing.assert_allclose(moving_average([1, 2, 3, 4, 5], 2), [1, 1.5, 2.5, 3.5, 4.5])
     np.testing.assert_allclose(moving_average([1, 2, 3], 5), [1, 1.5, 2])
+
+
+def test_ignore_eos_fills_every_completion_to_max_new_tokens(tmp_path):
+    summary = loop.train(_config(tmp_path, "rollout.ignore_eos=true", "rollout.max_new_tokens=6",
+                                 "train.max_steps=2", "train.eval_prompts=0", "log.plot=false",
+                                 "train.save_final=false"), _console())
+    records = read_metrics(f"{summary['run_dir']}/metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # a random policy samples EOS (1 in 16 tokens) but does not stop there
+        assert r["completion/len_mean"] == 6 and r["completion/clipped_frac"] == 1.0

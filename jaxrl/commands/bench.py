@@ -1,0 +1,190 @@
+"""`jaxrl bench CONFIG [overrides] [--steps N] [--warmup W] [--profile]`: measure the RL step.
+
+    run = build_run(cfg)                   the same run `jaxrl train` builds
+    preflight                              compile ahead of time, memory fit, FLOP count,
+                                           peak FLOP/s (on CPU the matmul is measured afresh)
+    W warm-up steps, then N measured steps, each waited for (block_until_ready)
+    print a table and, as the last line of stdout, one JSON object (`BENCH_KEYS`)
+
+Measured steps are timed one by one on the host (dispatch to metrics ready), so the
+numbers are the latency of a step, not hidden by the next one's dispatch. MFU/HFU use the
+median step; the generate/train split comes from stamps inside the program
+(`jaxrl.train.clock`). `--profile` wraps the measured steps in a `jax.profiler` trace under
+`<run_dir>/profile` (open with TensorBoard's profile plugin, XProf or Perfetto).
+The run directory also gets `bench.json` (the JSON line) and `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from jaxrl.config import ConfigError
+from jaxrl.perf import format_bytes, format_flops, memory_bandwidth, utilization
+from jaxrl.train.experiment import ExperimentConfig
+from jaxrl.train.loop import prepare_run_dir
+from jaxrl.train.metrics_log import MetricsLog, to_record
+from jaxrl.train.preflight import Preflight, preflight
+from jaxrl.train.run import Run, build_run
+
+BENCH_FILE = "bench.json"
+PROFILE_DIR = "profile"
+
+# Keys of the final JSON line (a value is null when it cannot be measured honestly, e.g.
+# FLOPs when cost analysis gave none).
+BENCH_KEYS = (
+    "config", "run_dir", "steps", "warmup", "device_kind", "num_devices", "num_processes",
+    "completion_tokens_per_step", "tokens_per_s", "step_s", "step_s_min", "generate_s",
+    "train_s", "mfu", "hfu", "generate_mfu", "train_mfu", "model_flops_per_step",
+    "xla_flops_per_step", "analytic_flops_per_step", "model_flops_generate",
+    "model_flops_train", "decode_steps", "decode_tokens_per_s", "decode_bound_tokens_per_s",
+    "peak_flops_per_device", "peak_source", "peak_memory_bytes", "device_memory_bytes",
+    "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
+)
+
+
+def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, *,
+              steps: int = 5, warmup: int = 2, profile: bool = False) -> dict[str, Any]:
+    """Benchmarks the step of `cfg` (module docstring); returns the JSON object."""
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"bench needs --steps >= 1 and --warmup >= 0, got --steps {steps} "
+                          f"--warmup {warmup}")
+    name = f"bench-{Path(config_path).stem if config_path else 'run'}"
+    run_dir, created = prepare_run_dir(cfg, name)
+    console.print(f"[bold]run dir[/]: {run_dir}")
+    key = jax.random.key(cfg.train.seed)
+    try:
+        run = build_run(cfg, run_dir, console)
+        first = run.place(next(run.batches))
+        pre = preflight(run, (*first, jax.random.fold_in(key, 0)), console, refresh_peak=True)
+    except BaseException:
+        if created:  # nothing was measured: leave nothing behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+    records: list[dict[str, Any]] = []
+    profile_dir = run_dir / PROFILE_DIR if profile else None
+    log = MetricsLog(run_dir, tensorboard=False)
+    try:
+        for i in range(warmup + steps):
+            if i == warmup and profile_dir is not None:
+                jax.profiler.start_trace(str(profile_dir))
+            placed = first if i == 0 else run.place(next(run.batches))
+            start = time.perf_counter()
+            run.state, metrics = run.step(run.state, *placed, jax.random.fold_in(key, i),
+                                          run.ref_params)
+            host = jax.device_get(metrics)
+            step_s = time.perf_counter() - start
+            host["time/step_s"] = step_s
+            host["perf/tokens_per_s"] = float(host["completion/len_mean"]) * run.rows / step_s
+            host.update(pre.step_metrics(host, step_s, run.step.clock.pop()))
+            record = to_record(i, host)
+            log.write(record)
+            phase = "warm-up" if i < warmup else "measured"
+            console.print(f"step {i + 1}/{warmup + steps} ({phase}): {step_s * 1e3:.1f} ms")
+            if i >= warmup:
+                records.append(record)
+    finally:
+        log.close()
+        if profile_dir is not None and len(records) + warmup > warmup:
+            jax.profiler.stop_trace()
+            console.print(f"[bold]profile[/]: {profile_dir} (tensorboard --logdir "
+                          f"{profile_dir}, or XProf / Perfetto)")
+    result = _result(cfg, run, pre, records, config_path, warmup, profile_dir)
+    (run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
+    console.print(_table(result))
+    return result
+
+
+def _median(records: list[dict[str, Any]], name: str) -> float | None:
+    values = [r[name] for r in records if name in r]
+    return float(np.median(values)) if values else None
+
+
+def _result(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict[str, Any]],
+            config_path: str | None, warmup: int, profile_dir: Path | None) -> dict[str, Any]:
+    step_s = _median(records, "time/step_s")
+    generate_s, train_s = _median(records, "time/generate_s"), _median(records, "time/train_s")
+    tokens = float(np.mean([r["completion/len_mean"] for r in records])) * run.rows
+    decode_steps = int(round(np.median([r["rollout/num_steps"] for r in records]))) - 1
+    acc = pre.accounting
+    model = xla = analytic = gen_flops = train_flops = None
+    if acc is not None:
+        flops = acc.metrics(decode_steps)
+        model, xla, analytic = (flops["perf/model_flops"], flops["perf/xla_flops"],
+                                flops["perf/analytic_flops"])
+        gen_flops, train_flops = acc.model.generate_flops(decode_steps), acc.model.train_flops()
+
+    def util(flops, seconds):
+        if flops is None or not seconds:
+            return None
+        return utilization(flops, seconds, pre.num_devices, pre.peak.flops_per_s)
+
+    result = {
+        "config": config_path, "run_dir": str(run.run_dir), "steps": len(records),
+        "warmup": warmup, "device_kind": pre.device_kind, "num_devices": pre.num_devices,
+        "num_processes": jax.process_count(), "completion_tokens_per_step": tokens,
+        "tokens_per_s": tokens * len(records) / sum(r["time/step_s"] for r in records),
+        "step_s": step_s, "step_s_min": min(r["time/step_s"] for r in records),
+        "generate_s": generate_s, "train_s": train_s,
+        "mfu": util(model, step_s), "hfu": util(xla, step_s),
+        "generate_mfu": util(gen_flops, generate_s), "train_mfu": util(train_flops, train_s),
+        "model_flops_per_step": model, "xla_flops_per_step": xla,
+        "analytic_flops_per_step": analytic, "model_flops_generate": gen_flops,
+        "model_flops_train": train_flops, "decode_steps": decode_steps,
+        "decode_tokens_per_s": (run.rows * (decode_steps + 1) / generate_s
+                                if generate_s else None),
+        "decode_bound_tokens_per_s": _decode_bound(run, pre),
+        "peak_flops_per_device": pre.peak.flops_per_s, "peak_source": pre.peak.source,
+        "peak_memory_bytes": pre.memory.peak_bytes if pre.memory.programs else None,
+        "device_memory_bytes": pre.memory.limit_bytes, "memory_source": pre.memory.limit_source,
+        "compile_s": pre.compile_s, "count_flops_s": pre.count_s,
+        "flops_unknown": (acc.model.unknown() + acc.hardware.unknown()) if acc else None,
+        "profile_dir": str(profile_dir) if profile_dir else None,
+    }
+    return result
+
+
+def _decode_bound(run: Run, pre: Preflight) -> float | None:
+    """Tokens/s if every decode step only had to read its bytes (XLA's bytes accessed of the
+    decode program, per device) at the device's memory bandwidth: the roofline of decoding."""
+    bandwidth = memory_bandwidth(run.mesh.devices.flat[0])
+    if pre.accounting is None or bandwidth is None:
+        return None
+    decode = next(p for p in pre.accounting.hardware.generate if p.per_decode_step).cost
+    if decode.bytes_accessed is None:
+        return None
+    return run.rows / (decode.bytes_accessed / pre.num_devices / bandwidth)
+
+
+def _table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"jaxrl bench: {result['steps']} steps on {result['num_devices']} x "
+                        f"{result['device_kind']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def fmt(value, kind):
+        if value is None:
+            return "n/a"
+        return {"pct": f"{value:.1%}", "s": f"{value * 1e3:.1f} ms", "flops": format_flops(value),
+                "bytes": format_bytes(value), "rate": f"{value:,.0f}"}[kind]
+
+    for name, kind in (("tokens_per_s", "rate"), ("step_s", "s"), ("generate_s", "s"),
+                       ("train_s", "s"), ("mfu", "pct"), ("hfu", "pct"),
+                       ("generate_mfu", "pct"), ("train_mfu", "pct"),
+                       ("model_flops_per_step", "flops"), ("xla_flops_per_step", "flops"),
+                       ("analytic_flops_per_step", "flops"), ("decode_tokens_per_s", "rate"),
+                       ("decode_bound_tokens_per_s", "rate"), ("peak_memory_bytes", "bytes"),
+                       ("device_memory_bytes", "bytes")):
+        table.add_row(name, fmt(result[name], kind))
+    table.add_row("peak_flops_per_device", f"{result['peak_flops_per_device'] / 1e12:.3g} TFLOP/s")
+    table.caption = f"peak: {result['peak_source']}"
+    return table
