@@ -94,7 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     configure_xla()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may also follow options (`bench cfg.yaml --steps 3 a.b=1`): argparse leaves
+    # positionals after an option unparsed, so they are taken back here.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     # A first positional with '=' is an override, not a config path.
     if args.config is not None and "=" in args.config:
         args.overrides = [args.config, *args.overrides]

@@ -9,7 +9,11 @@
 Measured steps are timed one by one on the host (dispatch to metrics ready), so the
 numbers are the latency of a step, not hidden by the next one's dispatch. MFU/HFU use the
 median step; the generate/train split comes from stamps inside the program
-(`jaxrl.train.clock`). `--profile` wraps the measured steps in a `jax.profiler` trace under
+(`jaxrl.train.clock`). `decode_tokens_per_s` is completion tokens / generate seconds, prefill
+included (a lower bound of the pure decode rate); `decode_bound_tokens_per_s` is its
+roofline from the decode program's bytes accessed and the device's memory bandwidth.
+`peak_memory_bytes` is XLA's plan for the step program (per device);
+`measured_peak_memory_bytes` the allocator's peak where the device reports one (not CPU). `--profile` wraps the measured steps in a `jax.profiler` trace under
 `<run_dir>/profile` (open with TensorBoard's profile plugin, XProf or Perfetto).
 The run directory also gets `bench.json` (the JSON line) and `metrics.jsonl`.
 """
@@ -46,8 +50,8 @@ BENCH_KEYS = (
     "train_s", "mfu", "hfu", "generate_mfu", "train_mfu", "model_flops_per_step",
     "xla_flops_per_step", "analytic_flops_per_step", "model_flops_generate",
     "model_flops_train", "decode_steps", "decode_tokens_per_s", "decode_bound_tokens_per_s",
-    "peak_flops_per_device", "peak_source", "peak_memory_bytes", "device_memory_bytes",
-    "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
+    "peak_flops_per_device", "peak_source", "peak_memory_bytes", "measured_peak_memory_bytes",
+    "device_memory_bytes", "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
 )
 
 
@@ -73,10 +77,12 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     records: list[dict[str, Any]] = []
     profile_dir = run_dir / PROFILE_DIR if profile else None
     log = MetricsLog(run_dir, tensorboard=False)
+    tracing = False
     try:
         for i in range(warmup + steps):
             if i == warmup and profile_dir is not None:
                 jax.profiler.start_trace(str(profile_dir))
+                tracing = True
             placed = first if i == 0 else run.place(next(run.batches))
             start = time.perf_counter()
             run.state, metrics = run.step(run.state, *placed, jax.random.fold_in(key, i),
@@ -94,7 +100,7 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
                 records.append(record)
     finally:
         log.close()
-        if profile_dir is not None and len(records) + warmup > warmup:
+        if tracing:
             jax.profiler.stop_trace()
             console.print(f"[bold]profile[/]: {profile_dir} (tensorboard --logdir "
                           f"{profile_dir}, or XProf / Perfetto)")
@@ -124,7 +130,7 @@ def _result(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict[
         gen_flops, train_flops = acc.model.generate_flops(decode_steps), acc.model.train_flops()
 
     def util(flops, seconds):
-        if flops is None or not seconds:
+        if flops is None or not seconds or pre.peak is None:
             return None
         return utilization(flops, seconds, pre.num_devices, pre.peak.flops_per_s)
 
@@ -143,14 +149,22 @@ def _result(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict[
         "decode_tokens_per_s": (run.rows * (decode_steps + 1) / generate_s
                                 if generate_s else None),
         "decode_bound_tokens_per_s": _decode_bound(run, pre),
-        "peak_flops_per_device": pre.peak.flops_per_s, "peak_source": pre.peak.source,
+        "peak_flops_per_device": pre.peak.flops_per_s if pre.peak else None,
+        "peak_source": pre.peak.source if pre.peak else "unknown: set perf.peak_tflops",
         "peak_memory_bytes": pre.memory.peak_bytes if pre.memory.programs else None,
-        "device_memory_bytes": pre.memory.limit_bytes, "memory_source": pre.memory.limit_source,
+        "measured_peak_memory_bytes": _measured_peak(run),
+        "device_memory_bytes": pre.memory.limit_bytes or None, "memory_source": pre.memory.limit_source,
         "compile_s": pre.compile_s, "count_flops_s": pre.count_s,
         "flops_unknown": (acc.model.unknown() + acc.hardware.unknown()) if acc else None,
         "profile_dir": str(profile_dir) if profile_dir else None,
     }
     return result
+
+
+def _measured_peak(run: Run) -> int | None:
+    """The allocator's peak bytes in use on the first device (GPU/TPU; None on CPU)."""
+    stats = run.mesh.devices.flat[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
 
 
 def _decode_bound(run: Run, pre: Preflight) -> float | None:
@@ -162,7 +176,8 @@ def _decode_bound(run: Run, pre: Preflight) -> float | None:
     decode = next(p for p in pre.accounting.hardware.generate if p.per_decode_step).cost
     if decode.bytes_accessed is None:
         return None
-    return run.rows / (decode.bytes_accessed / pre.num_devices / bandwidth)
+    # Bytes of the whole decode step (counted on one host device), read by all devices.
+    return run.rows / (decode.bytes_accessed / (pre.num_devices * bandwidth))
 
 
 def _table(result: dict[str, Any]) -> Table:
@@ -185,6 +200,7 @@ def _table(result: dict[str, Any]) -> Table:
                        ("decode_bound_tokens_per_s", "rate"), ("peak_memory_bytes", "bytes"),
                        ("device_memory_bytes", "bytes")):
         table.add_row(name, fmt(result[name], kind))
-    table.add_row("peak_flops_per_device", f"{result['peak_flops_per_device'] / 1e12:.3g} TFLOP/s")
+    peak = result["peak_flops_per_device"]
+    table.add_row("peak_flops_per_device", "n/a" if peak is None else f"{peak / 1e12:.3g} TFLOP/s")
     table.caption = f"peak: {result['peak_source']}"
     return table

@@ -102,3 +102,13 @@ class StepFlops:
 def _sum(values) -> float | None:
     values = list(values)
     return None if any(v is None for v in values) else float(sum(values))
+
+
+def extrapolate_layers(one: ProgramCost, two: ProgramCost, layers: int) -> ProgramCost:
+    """The cost of a program with `layers` identical layers from its 1- and 2-layer
+    versions: f(L) = f(1) + (L - 1) (f(2) - f(1)), exact when the layers are identical."""
+    def grow(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a + (layers - 1) * (b - a)
+
+    return ProgramCost(one.name, grow(one.flops, two.flops),
+                       grow(one.bytes_accessed, two.bytes_accessed), one.note or two.note)

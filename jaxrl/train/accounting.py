@@ -8,25 +8,31 @@
     update        the optimizer update                                   x iterations x minibatches
 
 These are the functions the step program runs (`jaxrl.rollout.sampler`, `jaxrl.train.phases`),
-compiled on abstract inputs of the step's shapes with the layers unrolled and the
+compiled on abstract inputs of the step's global shapes with the layers unrolled and the
 vocabulary-chunk loop unrolled, so XLA's cost analysis sees every FLOP once
-(`jaxrl.perf.flops` explains why loops must go). Two sets are compiled:
+(`jaxrl.perf.flops` explains why loops must go). Two variants:
 
-    model      remat off, whole-vocabulary log-probs, one device with the global shapes:
-               the work the step needs, whatever the layout          -> perf/model_flops, MFU
-    hardware   remat and log-prob chunking as configured, sharded as the run (per-device
-               FLOPs x devices): the work the devices execute         -> perf/xla_flops, HFU
+    model      remat off, whole-vocabulary log-probs: the work the step needs  -> perf/model_flops
+    hardware   remat and log-prob chunking as configured (recomputation included)
+                                                                               -> perf/xla_flops
 
-When the two would be the same program (one device, no remat, no chunking) it is compiled
-once. Not counted: the reward, advantage and masking arithmetic (O(B·C) elementwise), and the
-sampling of the first token after prefill; the analytic count (`jaxrl.perf.analytic`) is
+Both are compiled for the host CPU, on one device, whatever runs the step: XLA's GPU cost
+analysis undercounts fused GEMMs (measured on an H200 with jax 0.11: 0.1-0.6x the matmul
+FLOPs of train programs; jax-ml/jax#22249) and a custom call (cuDNN attention) adds nothing,
+while the CPU count of the same HLO matches the analytic one. So the counts do not depend on
+the layout (replicated work on a mesh is not counted) and the programs are never run. Layers
+are identical, so a model of L > 2 layers is counted from compiles of 1 and 2 layers,
+exactly: f(L) = f(1) + (L - 1) (f(2) - f(1)); compile time does not grow with depth. When
+the two variants would be the same program (no remat, no chunking) it is compiled once.
+
+Not counted: the reward, advantage and masking arithmetic (O(B·C) elementwise), and the
+sampling of the first token after prefill. The analytic count (`jaxrl.perf.analytic`) is
 computed beside both as a cross-check.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -34,16 +40,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import SingleDeviceSharding
 
 from jaxrl.models import KVCache, ModelConfig, Transformer
-from jaxrl.models.transformer import CACHE_AXES
 from jaxrl.perf import analytic
-from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, program_cost
+from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
 from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
-from jaxrl.sharding import AxisRules, state_shardings, use_rules
 from jaxrl.train.phases import StepConfig, completion_log_probs, microbatch_loss
 from jaxrl.train.state import TrainState
+
+PER_LAYER = ("prefill", "decode", "logprobs", "grad")  # programs that run the layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,28 +82,47 @@ class StepAccounting:
 
 
 def account_step(algo: StepConfig, model_config: ModelConfig, sampler: SamplerConfig,
-                 shapes: StepShapes, ts_graphdef: nnx.GraphDef, ts_state: nnx.State, *,
-                 mesh: Mesh, rollout_rules: AxisRules, train_rules: AxisRules,
+                 shapes: StepShapes, ts_graphdef: nnx.GraphDef, ts_state: nnx.State,
                  ) -> StepAccounting:
     """Compiles the phase programs (module docstring) and counts them; `ts_state` (the train
-    state, concrete or abstract) gives the optimizer update's shapes and shardings."""
+    state, concrete or abstract) gives the optimizer update's shapes."""
     trips = _trips(algo, shapes)
-    model = _Phases(algo, model_config, sampler, shapes, ts_graphdef, ts_state, trips,
-                    remat="none", chunk_size=None, mesh=None)
-    same = mesh.size == 1 and model_config.remat == "none" and algo.logprob_chunk_size is None
-    variants = [model] if same else [model, _Phases(
-        algo, model_config, sampler, shapes, ts_graphdef, ts_state, trips,
-        remat=model_config.remat, chunk_size=algo.logprob_chunk_size, mesh=mesh,
-        rollout_rules=rollout_rules, train_rules=train_rules)]
-    # Tracing is sequential; XLA compiles without the GIL, so the programs compile in
-    # parallel (the programs of a step are independent).
-    lowered = [v.lower() for v in variants]
+    layers = model_config.num_layers
+    depths = (layers,) if layers <= 2 else (1, 2)
+    kinds = {"model": ("none", None)}
+    if (model_config.remat, algo.logprob_chunk_size) != ("none", None):
+        kinds["hardware"] = (model_config.remat, algo.logprob_chunk_size)
+    lowered: dict[tuple[str, int | None, str], jax.stages.Lowered] = {}
+    for kind, (remat, chunk) in kinds.items():
+        for depth in depths:
+            phases = _Phases(algo, model_config, sampler, shapes, trips, remat=remat,
+                             chunk_size=chunk, num_layers=depth)
+            lowered.update({(kind, depth, name): low for name, low in phases.lower().items()})
+        lowered[(kind, None, "update")] = _lower_update(ts_graphdef, ts_state)
+    # Tracing is sequential; XLA compiles without the GIL, so the programs (independent of
+    # each other) compile in parallel.
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        futures = [{name: pool.submit(low.compile) for name, low in programs.items()}
-                   for programs in lowered]
-        counted = [v.count({name: f.result() for name, f in programs.items()})
-                   for v, programs in zip(variants, futures, strict=True)]
-    return StepAccounting(counted[0], counted[-1], _analytic(model_config, shapes, trips))
+        futures = {k: pool.submit(low.compile) for k, low in lowered.items()}
+        cost = {k: program_cost(k[2], f.result()) for k, f in futures.items()}
+
+    def count(kind: str) -> StepFlops:
+        def phase(name: str) -> ProgramCost:
+            if name not in PER_LAYER:
+                return cost[(kind, None, name)]
+            if len(depths) == 1:
+                return cost[(kind, depths[0], name)]
+            return extrapolate_layers(cost[(kind, 1, name)], cost[(kind, 2, name)], layers)
+
+        return StepFlops(
+            generate=(PhaseCount(phase("prefill"), 1),
+                      PhaseCount(phase("decode"), 0, per_decode_step=True)),
+            train=(PhaseCount(phase("logprobs"), trips["logprobs"]),
+                   PhaseCount(phase("grad"), trips["grad"]),
+                   PhaseCount(phase("update"), trips["update"])))
+
+    model = count("model")
+    hardware = count("hardware") if "hardware" in kinds else model
+    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips))
 
 
 def _trips(algo: StepConfig, shapes: StepShapes) -> dict[str, int]:
@@ -122,91 +147,76 @@ def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int]) ->
                phase("grad", analytic.grad_flops(config, b, p, c), trips["grad"])))
 
 
+def _host() -> SingleDeviceSharding:
+    """Where the accounting programs are compiled (never run): the first CPU device."""
+    return SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def _abstract(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_host())
+
+
+def _lower(fn, *args, donate: tuple[int, ...] = ()) -> jax.stages.Lowered:
+    """`fn(*args)` lowered for the host CPU; `donate`: arguments the step updates in place
+    (the KV cache, the train state), so XLA's bytes accessed count no copy of them."""
+    return jax.jit(fn, donate_argnums=donate).lower(*args)
+
+
+def _lower_update(ts_graphdef: nnx.GraphDef, ts_state: nnx.State) -> jax.stages.Lowered:
+    """One optimizer update of the run's train state."""
+    state = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), ts_state)
+    grads = nnx.state(nnx.merge(ts_graphdef, state).model, nnx.Param)
+
+    def fn(state, grads):
+        ts: TrainState = nnx.merge(ts_graphdef, state)
+        ts.apply_gradients(grads)
+        return nnx.state(ts)
+
+    return _lower(fn, state, grads, donate=(0,))
+
+
 class _Phases:
-    """The phase programs of one variant (model or hardware) on abstract inputs."""
+    """The per-layer phase programs of one variant, for a model of `num_layers` layers."""
 
     def __init__(self, algo: StepConfig, model_config: ModelConfig, sampler: SamplerConfig,
-                 shapes: StepShapes, ts_graphdef: nnx.GraphDef, ts_state: nnx.State,
-                 trips: dict[str, int], *, remat: str, chunk_size: int | None,
-                 mesh: Mesh | None, rollout_rules: AxisRules | None = None,
-                 train_rules: AxisRules | None = None):
+                 shapes: StepShapes, trips: dict[str, int], *, remat: str,
+                 chunk_size: int | None, num_layers: int):
         self.algo = dataclasses.replace(algo, logprob_chunk_size=chunk_size)
         self.sampler, self.shapes, self.trips = sampler, shapes, trips
-        self.mesh, self.rollout_rules, self.train_rules = mesh, rollout_rules, train_rules
-        config = dataclasses.replace(model_config, scan_layers=False, remat=remat)
-        self.graphdef, self.params = nnx.split(
+        config = dataclasses.replace(model_config, scan_layers=False, remat=remat,
+                                     num_layers=num_layers)
+        self.graphdef, params = nnx.split(
             nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+        self.params = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params)
         self.config = config
-        self.ts_graphdef = ts_graphdef
-        self.ts_state = jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x), ts_state)
 
     def lower(self) -> dict[str, jax.stages.Lowered]:
         """The phase programs, traced and lowered (not yet compiled)."""
         return {"prefill": self._prefill(), "decode": self._decode(),
-                "logprobs": self._logprobs(), "grad": self._grad(), "update": self._update()}
+                "logprobs": self._logprobs(), "grad": self._grad()}
 
-    def count(self, compiled: dict[str, jax.stages.Compiled]) -> StepFlops:
-        """The step's FLOPs from the compiled phase programs and their trip counts."""
-        devices = 1 if self.mesh is None else self.mesh.size
-        cost = {name: program_cost(name, c, devices) for name, c in compiled.items()}
-        t = self.trips
-        return StepFlops(
-            generate=(PhaseCount(cost["prefill"], 1),
-                      PhaseCount(cost["decode"], 0, per_decode_step=True)),
-            train=(PhaseCount(cost["logprobs"], t["logprobs"]),
-                   PhaseCount(cost["grad"], t["grad"]),
-                   PhaseCount(cost["update"], t["update"])))
-
-    # ------------------------------------------------------------------ abstract inputs
-
-    def _abstract(self, shape, dtype, like: Any = None, axes=None, rules=None):
-        """A ShapeDtypeStruct, placed like `like` (an array) or by logical `axes` on a mesh."""
-        if self.mesh is None:
-            return jax.ShapeDtypeStruct(shape, dtype)
-        sharding = getattr(like, "sharding", None) if axes is None else rules.sharding(
-            axes, shape, self.mesh)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    def _params(self, rules):
-        if self.mesh is None:
-            return self.params
-        shardings = state_shardings(self.params, self.mesh, rules)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self.params, shardings)
-
-    def _rows(self, rules, rows, *tail, dtype=jnp.int32):
-        return self._abstract((rows, *tail), dtype, axes=("batch",) + (None,) * len(tail),
-                              rules=rules)
-
-    def _lower(self, fn, rules, *args) -> jax.stages.Lowered:
-        def body(*a):
-            scope = (contextlib.nullcontext() if self.mesh is None
-                     else use_rules(self.mesh, rules))
-            with scope:
-                return fn(*a)
-
-        return jax.jit(body).lower(*args)
+    def _rows(self, rows, *tail, dtype=jnp.int32):
+        return _abstract((rows, *tail), dtype)
 
     # ------------------------------------------------------------------ the programs
 
     def _prefill(self) -> jax.stages.Lowered:
-        s, rules = self.shapes, self.rollout_rules
+        s = self.shapes
 
         def fn(params, ids_BxP, mask_BxP):
             return prefill(nnx.merge(self.graphdef, params), ids_BxP, mask_BxP,
                            s.max_new_tokens)
 
-        return self._lower(fn, rules, self._params(rules),
-                             self._rows(rules, s.prompts, s.prompt_len),
-                             self._rows(rules, s.prompts, s.prompt_len, dtype=jnp.bool_))
+        return _lower(fn, self.params, self._rows(s.prompts, s.prompt_len),
+                      self._rows(s.prompts, s.prompt_len, dtype=jnp.bool_))
 
     def _decode(self) -> jax.stages.Lowered:
-        s, rules, cfg = self.shapes, self.rollout_rules, self.config
+        s, cfg = self.shapes, self.config
         slots = s.prompt_len + s.max_new_tokens - 1
         kv_shape = (cfg.num_layers, s.rows, slots, cfg.num_kv_heads, cfg.head_dim)
-        kv = self._abstract(kv_shape, cfg.compute_dtype, axes=CACHE_AXES, rules=rules)
-        cache = KVCache(kv, kv, self._rows(rules, s.rows, slots, dtype=jnp.bool_),
-                        jax.ShapeDtypeStruct((), jnp.int32))
+        kv = _abstract(kv_shape, cfg.compute_dtype)
+        cache = KVCache(kv, kv, self._rows(s.rows, slots, dtype=jnp.bool_),
+                        _abstract((), jnp.int32))
 
         def fn(params, token_B, position_B, cache, key_data_Bx2, t):
             logits_BxV, cache = decode_step(nnx.merge(self.graphdef, params), token_B,
@@ -215,36 +225,35 @@ class _Phases:
                 jax.random.wrap_key_data(key_data_Bx2), t)
             return sample_rows(keys_B, logits_BxV, self.sampler.sampling), cache
 
-        return self._lower(fn, rules, self._params(rules),
-                             self._rows(rules, s.rows), self._rows(rules, s.rows), cache,
-                             self._rows(rules, s.rows, 2, dtype=jnp.uint32),
-                             jax.ShapeDtypeStruct((), jnp.int32))
+        return _lower(fn, self.params, self._rows(s.rows), self._rows(s.rows), cache,
+                      self._rows(s.rows, 2, dtype=jnp.uint32), _abstract((), jnp.int32),
+                      donate=(3,))
 
-    def _microbatch(self, rules) -> dict[str, Any]:
+    def _microbatch(self) -> dict[str, Any]:
         s, b = self.shapes, self.trips["micro_rows"]
         t, c = s.prompt_len + s.max_new_tokens, s.max_new_tokens
-        mb = {"ids_BxT": self._rows(rules, b, t), "mask_BxT": self._rows(rules, b, t, dtype=bool),
-              "loss_mask_BxC": self._rows(rules, b, c, dtype=bool),
-              "adv_B": self._rows(rules, b, dtype=jnp.float32),
-              "old_logp_BxC": self._rows(rules, b, c, dtype=jnp.float32)}
+        mb = {"ids_BxT": self._rows(b, t), "mask_BxT": self._rows(b, t, dtype=bool),
+              "loss_mask_BxC": self._rows(b, c, dtype=bool),
+              "adv_B": self._rows(b, dtype=jnp.float32),
+              "old_logp_BxC": self._rows(b, c, dtype=jnp.float32)}
         if self.algo.loss.beta > 0:
-            mb["ref_logp_BxC"] = self._rows(rules, b, c, dtype=jnp.float32)
+            mb["ref_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         if self.algo.loss.tis_cap is not None:
-            mb["sampler_logp_BxC"] = self._rows(rules, b, c, dtype=jnp.float32)
+            mb["sampler_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         return mb
 
     def _logprobs(self) -> jax.stages.Lowered:
-        rules, algo = self.train_rules, self.algo
+        algo = self.algo
 
         def fn(params, mb):
             return completion_log_probs(nnx.merge(self.graphdef, params), mb, algo.temperature,
                                         algo.logprob_chunk_size, unroll=True)[0]
 
-        return self._lower(fn, rules, self._params(rules), self._microbatch(rules))
+        return _lower(fn, self.params, self._microbatch())
 
     def _grad(self) -> jax.stages.Lowered:
-        rules, algo = self.train_rules, self.algo
-        count = jax.ShapeDtypeStruct((), jnp.int32)
+        algo = self.algo
+        count = _abstract((), jnp.int32)
 
         def fn(params, mb, num_tokens, num_seqs):
             def loss(model):
@@ -252,16 +261,4 @@ class _Phases:
 
             return nnx.value_and_grad(loss, has_aux=True)(nnx.merge(self.graphdef, params))
 
-        return self._lower(fn, rules, self._params(rules), self._microbatch(rules),
-                             count, count)
-
-    def _update(self) -> jax.stages.Lowered:
-        ts_abstract = nnx.merge(self.ts_graphdef, self.ts_state)
-        grads = nnx.state(ts_abstract.model, nnx.Param)
-
-        def fn(state, grads):
-            ts: TrainState = nnx.merge(self.ts_graphdef, state)
-            ts.apply_gradients(grads)
-            return nnx.state(ts)
-
-        return self._lower(fn, self.train_rules, self.ts_state, grads)
+        return _lower(fn, self.params, self._microbatch(), count, count)

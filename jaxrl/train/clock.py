@@ -28,13 +28,18 @@ from jax.experimental import io_callback
 class PhaseClock:
     """Named host timestamps recorded by the step programs (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self._stamps: dict[str, collections.deque[float]] = collections.defaultdict(
             collections.deque)
         self._lock = threading.Lock()
 
     def mark(self, name: str, operand: jax.Array) -> jax.Array:
-        """(traced) Stamps `name` once `operand` is computed; returns an int32 zero."""
+        """(traced) Stamps `name` once `operand` is computed; returns an int32 zero (a
+        constant, and no stamp, when the clock is disabled)."""
+        if not self.enabled:
+            return jnp.zeros((), jnp.int32)
+
         def stamp(_):
             now = time.perf_counter()
             with self._lock:
@@ -47,10 +52,6 @@ class PhaseClock:
         """{name: seconds} of the oldest unread stamp of every name that has one."""
         with self._lock:
             return {name: q.popleft() for name, q in self._stamps.items() if q}
-
-    def clear(self) -> None:
-        with self._lock:
-            self._stamps.clear()
 
 
 def phase_times(stamps: dict[str, float]) -> dict[str, float]:

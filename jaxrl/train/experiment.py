@@ -139,6 +139,7 @@ class PerfSection:
     peak_tflops: float | None = None  # per device; null: table by device kind, measured on CPU
     memory_limit_gib: float | None = None  # per device; null: the device's own memory
     count_flops: bool = True  # compile the phase programs to count FLOPs (perf/mfu, perf/hfu)
+    phase_times: bool = True  # host stamps in the step program: time/generate_s, time/train_s
 
     def __post_init__(self):
         for name in ("peak_tflops", "memory_limit_gib"):

@@ -213,7 +213,7 @@ def _summary(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict
                               ("generate_s", "time/generate_s"), ("train_s", "time/train_s")))
            if values},
         "peak_memory_bytes": pre.memory.peak_bytes if pre.memory.programs else None,
-        "device_memory_bytes": pre.memory.limit_bytes,
+        "device_memory_bytes": pre.memory.limit_bytes or None,
         "step_compilations": run.step.num_compilations(),
         "reward_first": float(rewards_N[0]),
         "reward_last": float(rewards_N[-window:].mean()),

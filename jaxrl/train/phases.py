@@ -56,6 +56,7 @@ from jaxrl.rl import (
 )
 from jaxrl.rl.advantages import ScaleRewards
 from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.sharding import constrain
 from jaxrl.train.state import TrainState
 
 AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo"]
@@ -205,8 +206,9 @@ def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
         return chunked_log_probs_and_entropy(
             hidden_BxCxE, model.output_embedding(), targets_BxC, temperature=temperature,
             chunk_size=chunk_size, unroll=unroll)
-    logits_BxCxV = jnp.einsum("bce,ev->bcv", hidden_BxCxE, model.output_embedding(),
-                              preferred_element_type=jnp.float32)
+    logits_BxCxV = constrain(jnp.einsum("bce,ev->bcv", hidden_BxCxE, model.output_embedding(),
+                                        preferred_element_type=jnp.float32),
+                             ("batch", "seq", "act_vocab"))
     return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
             token_entropy(logits_BxCxV, temperature))
 

@@ -48,7 +48,7 @@ class Preflight:
 
     memory: MemoryReport
     accounting: StepAccounting | None  # None: perf.count_flops is off
-    peak: Peak
+    peak: Peak | None  # None: unknown device kind and no perf.peak_tflops
     num_devices: int
     device_kind: str
     compile_s: float
@@ -66,7 +66,7 @@ class Preflight:
                 out[name] = flops
         for ratio, flops_name in (("perf/mfu", "perf/model_flops"),
                                   ("perf/hfu", "perf/xla_flops")):
-            if flops_name in out and step_s > 0:
+            if flops_name in out and step_s > 0 and self.peak is not None:
                 out[ratio] = utilization(out[flops_name], step_s, self.num_devices,
                                          self.peak.flops_per_s)
         return out
@@ -84,17 +84,25 @@ def preflight(run: Run, args: tuple[Any, ...], console: Console, *,
     compile_s = time.perf_counter() - start
     programs = [m for name, c in compiled.items()
                 if (m := program_memory(name, c)) is not None]
+    if run.ref_params is not None and "generate" in compiled:
+        # Split mode: the reference copy is live through the generate program too, though
+        # not one of its arguments.
+        programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + _device_bytes(
+            run.ref_params)) if m.name == "generate" else m for m in programs]
     if cfg.perf.memory_limit_gib is not None:
         limit, source = int(cfg.perf.memory_limit_gib * GIB), "perf.memory_limit_gib"
     else:
-        limit, source = device_memory(device)
-    if programs:
+        try:
+            limit, source = device_memory(device)
+        except ValueError as e:
+            limit, source = 0, str(e)
+    if programs and limit > 0:
         memory = check_fit(programs, limit, source, memory_suggestions(run))
         console.print(f"[bold]memory[/]: {memory.describe()}")
     else:
-        memory = MemoryReport((), limit, source)
-        console.print("[bold]memory[/]: XLA gave no memory analysis on this backend; "
-                      "the fit was not checked")
+        memory = MemoryReport(tuple(programs), limit, source)
+        why = source if limit <= 0 else "XLA gave no memory analysis on this backend"
+        console.print(f"[yellow]memory[/]: the fit was not checked: {why}")
 
     accounting, count_s = None, 0.0
     if cfg.perf.count_flops:
@@ -104,13 +112,16 @@ def preflight(run: Run, args: tuple[Any, ...], console: Console, *,
                 cfg.algo, run.model_config, run.sampler.config,
                 StepShapes(cfg.data.batch_size, cfg.data.max_prompt_len,
                            cfg.rollout.num_generations, cfg.rollout.max_new_tokens),
-                run.graphdef, run.state, mesh=run.mesh,
-                rollout_rules=run.layout.rollout_rules, train_rules=run.layout.train_rules)
+                run.graphdef, run.state)
         count_s = time.perf_counter() - start
         _print_flops(accounting, cfg.rollout.max_new_tokens, console)
-    peak = peak_flops(device, override_tflops=cfg.perf.peak_tflops, refresh=refresh_peak)
-    console.print(f"[bold]peak[/]: {peak.flops_per_s / 1e12:.3g} TFLOP/s per device "
-                  f"({peak.source}); {run.mesh.size} x {device.device_kind}")
+    try:
+        peak = peak_flops(device, override_tflops=cfg.perf.peak_tflops, refresh=refresh_peak)
+        console.print(f"[bold]peak[/]: {peak.flops_per_s / 1e12:.3g} TFLOP/s per device "
+                      f"({peak.source}); {run.mesh.size} x {device.device_kind}")
+    except ValueError as e:  # an accelerator missing from the table: no MFU, still train
+        peak = None
+        console.print(f"[yellow]peak[/]: unknown, no MFU/HFU: {e}")
     return Preflight(memory, accounting, peak, run.mesh.size, device.device_kind, compile_s,
                      count_s)
 
@@ -154,3 +165,8 @@ def memory_suggestions(run: Run) -> list[str]:
         out.append("model.dtype=bfloat16 (half the parameter and optimizer memory)")
     out.append(f"data.batch_size={max(1, cfg.data.batch_size // 2)} (fewer prompts per step)")
     return out
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes of `tree`'s arrays held by one device (the first shard of each)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))

@@ -148,7 +148,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
     step = build_step(cfg.algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
-                      rules=layout.train_rules)
+                      rules=layout.train_rules, phase_times=cfg.perf.phase_times)
     return Run(run_dir, cfg, layout, mesh, tokenizer, task, model_config, batches, rewards,
                sampler, step, graphdef, state, ref_params)
 

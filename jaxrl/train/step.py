@@ -76,13 +76,14 @@ class Step:
 
     def __init__(self, cfg: StepConfig, graphdef: nnx.GraphDef, sampler: Sampler,
                  rewards: RewardSet, *, optim: OptimConfig | None = None,
-                 mesh: Mesh | None = None, rules: AxisRules | None = None):
+                 mesh: Mesh | None = None, rules: AxisRules | None = None,
+                 phase_times: bool = True):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
         self.cfg, self.graphdef, self.sampler, self.rewards = cfg, graphdef, sampler, rewards
         self.mesh, self.rules = mesh, rules
         self._schedule = None if optim is None else learning_rate_schedule(optim)
-        self.clock = PhaseClock()
+        self.clock = PhaseClock(enabled=phase_times)
         self._compiled: dict[str, Any] = {}
         if cfg.mode == "fused":
             self._fused = jax.jit(self._fused_body, donate_argnums=0)
@@ -142,8 +143,9 @@ class Step:
                        ) -> tuple[Rollout, RewardInputs]:
         with self._rules():
             model = nnx.merge(self.graphdef, state).model
-            prompts = Prompts(prompts.ids_BxP + self.clock.mark("start", prompts.ids_BxP),
-                              prompts.mask_BxP)
+            # A replicated scalar as the operand: no gather of the prompts to one device.
+            start = self.clock.mark("start", jnp.sum(prompts.mask_BxP, dtype=jnp.int32))
+            prompts = Prompts(prompts.ids_BxP + start, prompts.mask_BxP)
             rollout = generate(self.sampler, nnx.state(model), prompts, key)
             done = self.clock.mark("generated", rollout.num_steps)
             rollout = rollout.replace(completion_ids_BxC=rollout.completion_ids_BxC + done)
@@ -187,10 +189,12 @@ class Step:
 
 def build_step(cfg: StepConfig, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet,
                *, optim: OptimConfig | None = None, mesh: Mesh | None = None,
-               rules: AxisRules | None = None) -> Step:
+               rules: AxisRules | None = None, phase_times: bool = True) -> Step:
     """The RL step of `cfg.mode` for the TrainState `graphdef` (see the module docstring).
 
     `sampler` is built on `nnx.graphdef(ts.model)` (with the rollout rules on a mesh); `rules`
-    are the train rules; `optim` only adds the `lr` metric.
+    are the train rules; `optim` only adds the `lr` metric; `phase_times` puts the phase
+    stamps (host callbacks) into the programs.
     """
-    return Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=mesh, rules=rules)
+    return Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=mesh, rules=rules,
+                phase_times=phase_times)

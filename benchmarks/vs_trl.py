@@ -1,0 +1,338 @@
+"""jaxrl vs TRL: the same GRPO workload on this machine's CPU, one library after the other.
+
+    pip install -e '.[bench]'
+    python benchmarks/vs_trl.py [--warmup 2] [--steps 5] [--work-dir DIR] [--only jaxrl|trl]
+
+Workload (made here, nothing is downloaded; everything is seeded):
+- policy: a random-init Qwen2 (transformers `Qwen2ForCausalLM`), hidden 256, 4 layers, 4
+  heads / 2 KV heads, intermediate 768, vocabulary 4096, tied embeddings, float32 (4.2M
+  parameters), saved in HF format with its tokenizer: a `tokenizers` WordLevel tokenizer of
+  exactly 4096 tokens (every word of the prompts, then filler words) saved as a
+  `PreTrainedTokenizerFast`, so both libraries load the same directory;
+- prompts: templated GSM8K-style word problems (`prompts.jsonl`, question/answer columns),
+  each rendered by `jaxrl.data.tasks.gsm8k.render_question` to the same number of tokens;
+- a step: 8 prompts x 8 generations, exactly 64 completion tokens each (EOS cannot end a
+  completion), temperature 1, GRPO advantages scaled by the group std, clipped loss
+  (epsilon 0.2) averaged over all tokens of the batch, beta 0 (no reference model), one
+  AdamW update of all 64 completions (lr 1e-5 constant, betas 0.9/0.999, eps 1e-8, no weight
+  decay, gradient norm clipped at 1); reward: `jaxrl.data.tasks.gsm8k.math_reward`
+  (math-verify) on both sides;
+- timing: `--warmup` steps, then `--steps` measured steps; tokens/s is the median over the
+  measured steps of (completion tokens generated in the step / step seconds).
+
+Each library runs in its own subprocess, back to back, so neither's threads or memory touch
+the other. jaxrl runs `jaxrl bench` (the last stdout line is its JSON) on a config written
+here: one CPU device (`sharding.layout=single`), the fused step (the Python reward through a
+host callback), `algo.num_minibatches=1`, `rollout.ignore_eos=true`, no chat template.
+TRL 1.16 runs `GRPOTrainer` on torch (CPU, no vLLM, float32, gradient checkpointing off,
+`per_device_train_batch_size=64` and no accumulation, so a trainer step is one generation
+of 64 completions and one update), with `min_new_tokens=64`, and torch set to
+`os.cpu_count()` threads; a TrainerCallback times on_step_begin -> on_step_end and the reward
+function counts the completion tokens of each step.
+
+Equal on both sides: weights, tokenizer, prompts and their token length, group size, number
+of completion tokens, sampling temperature, loss, optimizer settings, reward function.
+Not equal: the random streams (the sampled tokens, hence the reward values, differ; with a
+random policy the reward is almost always 0 on both sides, so the gradient carries little
+signal, but both do the full forward and backward); jaxrl recomputes the old log-probs with
+one extra no-grad forward per step, which TRL skips when one generation feeds one update;
+jaxrl's step is one compiled program (compiled ahead of time, before the warm-up: `compile_s`
+in its JSON), TRL runs eagerly; TRL tokenizes a step's prompts inside the timed step, jaxrl's
+`bench` before it (a few ms). jaxrl's MFU is against the float32 matmul rate JAX measures on
+this host (`peak_source`); TRL's "train" column is the step minus its `generate` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+PROMPTS_PER_STEP, GENERATIONS, COMPLETION_TOKENS = 8, 8, 64
+NUM_PROMPTS = 256  # enough distinct prompts for every step of a run
+LR, SEED, VOCAB = 1e-5, 0, 4096
+EOS, PAD, UNK = "<|endoftext|>", "<|pad|>", "<unk>"
+NAMES = ["Tom", "Ana", "Raj", "Mei", "Olu", "Ivan", "Sara", "Kofi"]
+ITEMS = ["apples", "books", "coins", "stamps", "pencils", "marbles", "cards", "shells"]
+
+
+# ---------------------------------------------------------------- the workload files
+def write_prompts(path: Path) -> list[str]:
+    """NUM_PROMPTS templated word problems as jsonl (question, answer "#### N"); their texts."""
+    rng = random.Random(SEED)
+    rows = []
+    for _ in range(NUM_PROMPTS):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        rows.append({"question": f"{name} has {a} {item} and buys {b} more. "
+                                 f"How many {item} does {name} have now?",
+                     "answer": f"{name} has {a} + {b} = {a + b} {item}.\n#### {a + b}"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [r["question"] for r in rows]
+
+
+def make_tokenizer(texts: list[str]):
+    """A WordLevel tokenizer of exactly VOCAB tokens: specials, the texts' words, fillers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    split = pre_tokenizers.Whitespace()
+    words = sorted({w for t in texts for w, _ in split.pre_tokenize_str(t)}
+                   | {str(n) for n in range(1000)})
+    vocab = {tok: i for i, tok in enumerate([EOS, PAD, UNK, *words])}
+    filler = 0
+    while len(vocab) < VOCAB:
+        vocab.setdefault(f"w{filler}", len(vocab))
+        filler += 1
+    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    core.pre_tokenizer = split
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=PAD,
+                                        unk_token=UNK)
+    assert len(tokenizer) == VOCAB, len(tokenizer)
+    return tokenizer
+
+
+def make_workload(work: Path) -> dict:
+    """Writes model/ (random Qwen2 + tokenizer) and prompts.jsonl; returns their description."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from jaxrl.data.tasks.gsm8k import render_question
+
+    questions = write_prompts(work / "prompts.jsonl")
+    rendered = [render_question(q) for q in questions]
+    tokenizer = make_tokenizer(rendered)
+    lengths = {len(tokenizer(t)["input_ids"]) for t in rendered}
+    assert len(lengths) == 1, f"prompts of different token lengths: {sorted(lengths)}"
+    assert tokenizer.unk_token_id not in tokenizer(rendered[0])["input_ids"]
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=768, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32")
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(config).float()
+    model.save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")
+    return {"model_dir": str(work / "model"), "prompts": str(work / "prompts.jsonl"),
+            "prompt_tokens": lengths.pop(),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+# ---------------------------------------------------------------- jaxrl half
+def jaxrl_config(work: Path, workload: dict, steps_total: int) -> Path:
+    """The jaxrl experiment config of the workload (YAML in the work dir)."""
+    import yaml
+
+    cfg = {
+        "model": {"path": workload["model_dir"], "dtype": "float32"},
+        "sharding": {"layout": "single"},
+        "rollout": {"num_generations": GENERATIONS, "max_new_tokens": COMPLETION_TOKENS,
+                    "temperature": 1.0, "ignore_eos": True},
+        "algo": {"mode": "fused", "advantage": "grpo", "scale_rewards": "group",
+                 "num_iterations": 1, "num_minibatches": 1,
+                 "loss": {"epsilon_low": 0.2, "epsilon_high": 0.2,
+                          "aggregation": "token_mean", "beta": 0.0}},
+        "optim": {"lr": LR, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+                  "max_grad_norm": 1.0},
+        "data": {"task": "gsm8k", "source": workload["prompts"], "prompt_column": "question",
+                 "answer_column": "answer", "chat_template": False,
+                 "max_prompt_len": workload["prompt_tokens"], "batch_size": PROMPTS_PER_STEP},
+        "train": {"max_steps": steps_total, "seed": SEED, "eval_prompts": 0,
+                  "save_final": False},
+        "log": {"tensorboard": False, "plot": False},
+    }
+    path = work / "jaxrl_vs_trl.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_jaxrl(work: Path, workload: dict, warmup: int, steps: int) -> dict:
+    """`jaxrl bench` in a subprocess; its last stdout line (JSON)."""
+    config = jaxrl_config(work, workload, warmup + steps)
+    run_dir = work / "jaxrl_run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a jaxrl run directory is never reused
+    cmd = [sys.executable, "-m", "jaxrl.cli", "bench", str(config), f"train.run_dir={run_dir}",
+           "--steps", str(steps), "--warmup", str(warmup)]
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = _last_json_line(subprocess.run(cmd, stdout=subprocess.PIPE, text=True), "jaxrl")
+    # The bench JSON's tokens_per_s is total tokens / total seconds; for the same statistic as
+    # the TRL half, take the median of the measured steps' rates from its metrics.jsonl.
+    lines = (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    measured = [r for r in map(json.loads, lines) if r["step"] >= warmup]
+    assert all(r["completion/len_mean"] == COMPLETION_TOKENS for r in measured), measured
+    result["bench_tokens_per_s"] = result["tokens_per_s"]
+    result["tokens_per_s"] = statistics.median(r["perf/tokens_per_s"] for r in measured)
+    return result
+
+
+# ---------------------------------------------------------------- TRL half
+def trl_worker(work: Path, warmup: int, steps: int) -> dict:
+    """GRPOTrainer on the workload, in this (child) process; per-step times and tokens."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from jaxrl.data.tasks.gsm8k import math_reward, render_question
+
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(SEED)
+    model_dir = work / "model"
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rows = datasets.load_dataset("json", data_files=str(work / "prompts.jsonl"), split="train")
+    rows = rows.map(lambda r: {"prompt": render_question(r["question"])})
+
+    tokens_now = [0]  # completion tokens of the step in progress (the reward sees them all)
+
+    def math(prompts, completions, completion_ids, answer, **_):
+        tokens_now[0] += sum(len(ids) for ids in completion_ids)
+        return [math_reward(p, c, {"answer": a})
+                for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+    records = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **_):
+            tokens_now[0], self.gen_s, self.t0 = 0, 0.0, time.perf_counter()
+
+        def on_step_end(self, args, state, control, **_):
+            records.append({"step_s": time.perf_counter() - self.t0, "tokens": tokens_now[0],
+                            "generate_s": timer.gen_s})
+
+    timer = StepTimer()
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            timer.gen_s += time.perf_counter() - t0
+            return out
+
+    args = GRPOConfig(
+        output_dir=str(work / "trl_out"), use_cpu=True, bf16=False, seed=SEED,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
+        gradient_accumulation_steps=1, num_generations=GENERATIONS, num_iterations=1,
+        max_completion_length=COMPLETION_TOKENS,
+        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, temperature=1.0,
+        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        gradient_checkpointing=False, use_vllm=False, max_steps=warmup + steps,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0)
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=[math], args=args, train_dataset=rows,
+                               processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    measured = records[warmup:]
+    assert all(r["tokens"] == PROMPTS_PER_STEP * GENERATIONS * COMPLETION_TOKENS
+               for r in measured), [r["tokens"] for r in measured]
+    return {"tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in measured),
+            "step_s": statistics.median(r["step_s"] for r in measured),
+            "generate_s": statistics.median(r["generate_s"] for r in measured),
+            "train_s": statistics.median(r["step_s"] - r["generate_s"] for r in measured),
+            "tokens_per_step": measured[0]["tokens"], "torch_threads": torch.get_num_threads(),
+            "steps": measured}
+
+
+def run_trl(work: Path, warmup: int, steps: int) -> dict:
+    """`trl_worker` in a subprocess (this script, `--child trl`); its last stdout line."""
+    cmd = [sys.executable, __file__, "--child", "trl", "--work-dir", str(work),
+           "--warmup", str(warmup), "--steps", str(steps)]
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    return _last_json_line(subprocess.run(cmd, stdout=subprocess.PIPE, text=True), "TRL")
+
+
+def _last_json_line(proc: subprocess.CompletedProcess, who: str) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout)
+        raise SystemExit(f"the {who} half failed (exit {proc.returncode})")
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------- report
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "torch", "transformers", "trl"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def table(results: dict) -> str:
+    def cell(value, fmt):
+        return "n/a" if value is None else format(value, fmt)
+
+    rows = ["| library | completion tokens/s | s/step | generate s/step | train s/step | MFU |",
+            "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        mfu = r.get("mfu")
+        rows.append(f"| {name} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['step_s'], '.3f')} "
+                    f"| {cell(r.get('generate_s'), '.3f')} | {cell(r.get('train_s'), '.3f')} "
+                    f"| {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=2, help="steps run before timing")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps")
+    parser.add_argument("--work-dir", type=Path, help="default: a fresh temporary directory")
+    parser.add_argument("--only", choices=("jaxrl", "trl"), help="run one half only")
+    parser.add_argument("--child", choices=("trl",), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(trl_worker(args.work_dir, args.warmup, args.steps)))
+        return
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="jaxrl_vs_trl_"))
+    work.mkdir(parents=True, exist_ok=True)
+    workload = make_workload(work)
+    print(f"work dir {work}: {workload['parameters'] / 1e6:.2f}M parameters, prompts of "
+          f"{workload['prompt_tokens']} tokens", file=sys.stderr, flush=True)
+    results = {}
+    if args.only in (None, "jaxrl"):
+        results["jaxrl"] = run_jaxrl(work, workload, args.warmup, args.steps)
+    if args.only in (None, "trl"):
+        results["TRL"] = run_trl(work, args.warmup, args.steps)
+
+    summary = {
+        "date": datetime.date.today().isoformat(), "cpu_count": os.cpu_count(),
+        "versions": versions(), "warmup": args.warmup, "steps": args.steps,
+        "workload": {"prompts_per_step": PROMPTS_PER_STEP, "generations": GENERATIONS,
+                     "completion_tokens": COMPLETION_TOKENS, **workload},
+        **{name.lower(): r for name, r in results.items()},
+    }
+    if len(results) == 2:
+        summary["ratio_tokens_per_s"] = (results["jaxrl"]["tokens_per_s"]
+                                         / results["TRL"]["tokens_per_s"])
+    print(table(results))
+    if "jaxrl" in results:
+        j = results["jaxrl"]
+        print(f"\njaxrl MFU {j.get('mfu')} against {j.get('peak_flops_per_device')} FLOP/s "
+              f"({j.get('peak_source')}, {j.get('device_kind')}, {j.get('num_devices')} device)")
+    if "ratio_tokens_per_s" in summary:
+        print(f"jaxrl / TRL completion tokens/s: {summary['ratio_tokens_per_s']:.2f}x")
+    v = summary["versions"]
+    print(f"{summary['date']}, os.cpu_count()={summary['cpu_count']}, "
+          + ", ".join(f"{k} {v[k]}" for k in v))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
