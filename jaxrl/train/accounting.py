@@ -2,7 +2,7 @@
 
     prefill       sampler.prefill of the P prompts                       x 1
     decode        sampler.decode_step + sample_rows of the B = P·G rows  x decode steps run
-    logprobs      completion_log_probs of one microbatch (old / ref)     x microbatches x (1 + KL)
+    logprobs      completion_log_probs of one microbatch (old / ref)     x microbatches x (old + KL)
     grad          value_and_grad(microbatch_loss) of one microbatch      x iterations x minibatches
                                                                             x microbatches
     update        the optimizer update                                   x iterations x minibatches
@@ -27,7 +27,8 @@ the two variants would be the same program (no remat, no chunking) it is compile
 
 Not counted: the reward, advantage and masking arithmetic (O(B·C) elementwise), and the
 sampling of the first token after prefill. The analytic count (`jaxrl.perf.analytic`) is
-computed beside both as a cross-check.
+computed beside both as a cross-check. (old: 0 when the step makes a single update, whose
+own forward gives the old log-probs; 1 otherwise.)
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def _trips(algo: StepConfig, shapes: StepShapes) -> dict[str, int]:
     minibatch, num_micro = algo.batch_split(shapes.rows)
     updates = algo.num_iterations * algo.num_minibatches
     return {"micro_rows": minibatch // num_micro,
-            "logprobs": shapes.rows // (minibatch // num_micro) * (1 + (algo.loss.beta > 0)),
+            "logprobs": shapes.rows // (minibatch // num_micro) * (
+                (not algo.single_update) + (algo.loss.beta > 0)),
             "grad": updates * num_micro, "update": updates}
 
 
@@ -234,8 +236,9 @@ class _Phases:
         t, c = s.prompt_len + s.max_new_tokens, s.max_new_tokens
         mb = {"ids_BxT": self._rows(b, t), "mask_BxT": self._rows(b, t, dtype=bool),
               "loss_mask_BxC": self._rows(b, c, dtype=bool),
-              "adv_B": self._rows(b, dtype=jnp.float32),
-              "old_logp_BxC": self._rows(b, c, dtype=jnp.float32)}
+              "adv_B": self._rows(b, dtype=jnp.float32)}
+        if not self.algo.single_update:
+            mb["old_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         if self.algo.loss.beta > 0:
             mb["ref_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         if self.algo.loss.tis_cap is not None:

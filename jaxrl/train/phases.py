@@ -5,7 +5,8 @@
     r_B              = shape_rewards(cfg, r_B, completion mask)     DAPO overlong penalty, if on
     adv_B, mask_BxC  = advantages(cfg, r_B, completion mask)        zero-std groups masked out
     train_on(cfg, train_state, batch):
-        old_logp = stop_gradient(logp of the policy before any update)    one forward per step
+        old_logp = stop_gradient(logp of the policy before any update)    one forward per step,
+                   skipped when the step makes a single update (see below)
         for each iteration, for each minibatch:
             g = sum over microbatches of grad(policy loss of the microbatch)
             apply_gradients(g)                                            one optimizer update
@@ -25,6 +26,10 @@ Deliberate choices:
 - old_logp is recomputed by the trainer's forward instead of reusing the sampler's: the
   ratio of the first update is then exactly 1, and the sampler's own log-probs (at
   temperature 1, `logp_raw_BxC`) serve only TIS, which corrects the sampler/trainer gap.
+- When a step makes one update (num_iterations x num_minibatches == 1) the policy that
+  computes the loss *is* the old policy, so old_logp = stop_gradient(logp) of the same
+  forward: one forward pass per step less, the same loss and gradient (the ratio is exactly
+  1 either way).
 """
 
 from __future__ import annotations
@@ -108,6 +113,11 @@ class StepConfig:
             raise ValueError(f"algo.loss.tis_cap needs algo.temperature=1.0 (the sampler's "
                              f"log-probs it corrects are at temperature 1), got "
                              f"{self.temperature}")
+
+    @property
+    def single_update(self) -> bool:
+        """One optimizer update per step: the old policy is the one being updated."""
+        return self.num_iterations * self.num_minibatches == 1
 
     def batch_split(self, rows: int) -> tuple[int, int]:
         """(rows per minibatch, microbatches per minibatch) for a batch of `rows`."""
@@ -239,11 +249,15 @@ def microbatch_loss(cfg: StepConfig, model: nnx.Module, mb: Batch, num_tokens: j
                     num_seqs: jax.Array, *, unroll: bool = False,
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
-    counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus old (and ref) log-probs."""
+    counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus ref log-probs and the old
+    ones (without them, the step's only update: old = stop_gradient(new))."""
     logp_BxC, entropy_BxC = completion_log_probs(model, mb, cfg.temperature,
                                                  cfg.logprob_chunk_size, unroll=unroll)
+    old_logp_BxC = mb.get("old_logp_BxC")
+    if old_logp_BxC is None:  # one update per step: this forward is the old policy's
+        old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
     return policy_loss(
-        logp_BxC, mb["old_logp_BxC"], mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
+        logp_BxC, old_logp_BxC, mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
         ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
         entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
         num_tokens=num_tokens, num_seqs=num_seqs)
@@ -262,9 +276,11 @@ def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
     minibatch, num_micro = cfg.batch_split(rows)
     total_micro = rows // (cfg.microbatch_size or minibatch)
     model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
-    batch = dict(batch, old_logp_BxC=_forward_logp(model_graphdef, (params, rest), batch,
-                                                   total_micro, cfg.temperature,
-                                                   cfg.logprob_chunk_size))
+    batch = dict(batch)  # entries are added and removed below, never in the caller's dict
+    if not cfg.single_update:
+        batch["old_logp_BxC"] = _forward_logp(model_graphdef, (params, rest), batch,
+                                              total_micro, cfg.temperature,
+                                              cfg.logprob_chunk_size)
     if cfg.loss.beta > 0:
         if ref_params is None:
             raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "

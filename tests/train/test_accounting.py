@@ -55,6 +55,13 @@ def test_trip_counts_follow_the_algo_config():
     assert phases["prefill"].trips == 1 and phases["decode"].per_decode_step
 
 
+def test_a_single_update_step_runs_no_old_log_prob_forward():
+    trips = _trips(StepConfig(microbatch_size=4), SHAPES)
+    assert trips["logprobs"] == 0 and trips["grad"] == 4 and trips["update"] == 1
+    with_kl = _trips(StepConfig(microbatch_size=4, loss=PolicyLossConfig(beta=0.1)), SHAPES)
+    assert with_kl["logprobs"] == 4  # the reference forward only
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode", "logprobs", "grad"])
 def test_xla_model_flops_match_the_analytic_count_within_5_percent(phase):
     acc = _account()

@@ -232,3 +232,38 @@ def test_overlong_shaping_by_hand():
     assert metrics == {}
     with pytest.raises(ValueError, match="overlong_buffer=5 must be at most.*4 tokens"):
         shape_rewards(StepConfig(overlong_buffer=5), rewards_B, mask_BxC)
+
+
+def test_a_single_update_step_takes_its_old_log_probs_from_its_own_forward():
+    # One update per step: old_logp = stop_gradient(new logp) of the loss's own forward gives
+    # the same update as a separate forward pass of the (same) old policy.
+    from jaxrl.train.phases import completion_log_probs, train_on
+
+    cfg = StepConfig(microbatch_size=4, loss=PolicyLossConfig(beta=0.0))
+    assert cfg.single_update and not dataclasses.replace(cfg, num_minibatches=2).single_update
+    rng = np.random.default_rng(0)
+    rows, prompt, completion = 8, 5, 6
+    batch = {
+        "ids_BxT": jnp.asarray(rng.integers(0, CONFIG.vocab_size, (rows, prompt + completion)),
+                               jnp.int32),
+        "mask_BxT": jnp.ones((rows, prompt + completion), bool),
+        "loss_mask_BxC": jnp.asarray(rng.random((rows, completion)) < 0.8),
+        "adv_B": jnp.asarray(rng.normal(size=rows), jnp.float32),
+        "sampler_logp_BxC": jnp.zeros((rows, completion), jnp.float32),
+    }
+
+    def updated(batch):
+        ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
+                                _mesh("single"), load_layout("single").train_rules)
+        metrics = train_on(cfg, ts, batch)
+        return _params(ts), jax.device_get(metrics)
+
+    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
+                            _mesh("single"), load_layout("single").train_rules)
+    old_logp = completion_log_probs(ts.model, batch, cfg.temperature)[0]
+    own, own_metrics = updated(batch)
+    separate, separate_metrics = updated(dict(batch, old_logp_BxC=old_logp))
+    _assert_close(own, separate, tol=1e-6)
+    assert own_metrics["clip_frac"] == separate_metrics["clip_frac"] == 0.0
+    np.testing.assert_allclose(own_metrics["loss/policy"], separate_metrics["loss/policy"],
+                               rtol=1e-5, atol=1e-7)
