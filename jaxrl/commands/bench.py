@@ -20,6 +20,7 @@ The run directory also gets `bench.json` (the JSON line) and `metrics.jsonl`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -61,6 +62,9 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"bench needs --steps >= 1 and --warmup >= 0, got --steps {steps} "
                           f"--warmup {warmup}")
+    # The phase split is part of what bench reports; it waits for every step anyway, so the
+    # stamps cost no overlap here (jaxrl.train.experiment.PerfSection.phase_times).
+    cfg = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, phase_times=True))
     name = f"bench-{Path(config_path).stem if config_path else 'run'}"
     run_dir, created = prepare_run_dir(cfg, name)
     console.print(f"[bold]run dir[/]: {run_dir}")

@@ -139,7 +139,11 @@ class PerfSection:
     peak_tflops: float | None = None  # per device; null: table by device kind, measured on CPU
     memory_limit_gib: float | None = None  # per device; null: the device's own memory
     count_flops: bool = True  # compile the phase programs to count FLOPs (perf/mfu, perf/hfu)
-    phase_times: bool = True  # host stamps in the step program: time/generate_s, time/train_s
+    # Host stamps in the step program (time/generate_s, time/train_s). null: on GPU/TPU, off
+    # on CPU, where a program with a host callback runs synchronously: the host can no longer
+    # log step N-1 while step N runs (measured: ~20% slower CPU quickstart). `jaxrl bench`
+    # always stamps (it waits for every step anyway).
+    phase_times: bool | None = None
 
     def __post_init__(self):
         for name in ("peak_tflops", "memory_limit_gib"):

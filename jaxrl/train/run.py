@@ -148,7 +148,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
     step = build_step(cfg.algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
-                      rules=layout.train_rules, phase_times=cfg.perf.phase_times)
+                      rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
     return Run(run_dir, cfg, layout, mesh, tokenizer, task, model_config, batches, rewards,
                sampler, step, graphdef, state, ref_params)
 
@@ -178,3 +178,10 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
     save_pretrained(model, path)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def _phase_times(cfg: ExperimentConfig, mesh: Mesh) -> bool:
+    """perf.phase_times, or by default: stamps on accelerators, none on CPU (experiment.py)."""
+    if cfg.perf.phase_times is not None:
+        return cfg.perf.phase_times
+    return mesh.devices.flat[0].platform != "cpu"
