@@ -13,8 +13,10 @@ Before step 0, `preflight` compiles the step ahead of time, stops with a clear e
 will not fit in device memory, and counts its FLOPs. Per step:
 
     time/step_s          end of step N-1 to end of step N on the device's timeline (host
-                         stamps inside the program, `jaxrl.train.clock`), host stalls included
+                         stamps inside the program, `jaxrl.train.clock`), host stalls
+                         included; without stamps (CPU default) between two metric fetches
     time/generate_s      prompts in -> rollout complete;  time/train_s: -> last update done
+                         (with stamps: perf.phase_times)
     time/elapsed_s       since the first dispatch
     perf/tokens_per_s    completion tokens (sampled, the stop token included) / time/step_s
     perf/mfu, perf/hfu   the step's model / XLA FLOPs / (time/step_s x devices x peak)
