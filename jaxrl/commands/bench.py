@@ -13,8 +13,9 @@ median step; the generate/train split comes from stamps inside the program
 included (a lower bound of the pure decode rate); `decode_bound_tokens_per_s` is its
 roofline from the decode program's bytes accessed and the device's memory bandwidth.
 `peak_memory_bytes` is XLA's plan for the step program (per device);
-`measured_peak_memory_bytes` the allocator's peak where the device reports one (not CPU). `--profile` wraps the measured steps in a `jax.profiler` trace under
-`<run_dir>/profile` (open with TensorBoard's profile plugin, XProf or Perfetto).
+`measured_peak_memory_bytes` the allocator's peak where the device reports one (not CPU).
+`--profile` wraps the measured steps in a `jax.profiler` trace under `<run_dir>/profile`
+(open with TensorBoard's profile plugin, XProf or Perfetto).
 The run directory also gets `bench.json` (the JSON line) and `metrics.jsonl`.
 """
 

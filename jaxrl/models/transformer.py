@@ -10,7 +10,8 @@ Two entry points share all code: `__call__` (training/scoring: the given tokens 
 `scan_layers` the layers are stacked on a leading `layers` axis and run by `nnx.scan`, so
 compile time does not grow with depth. `remat` rematerialises each block for the backward
 pass of the uncached forward (`__call__`, `hidden_states`): it changes what is saved vs
-recomputed, never the numbers; `extend` takes no gradients and runs without it. Logits are always float32.
+recomputed, never the numbers; `extend` takes no gradients and runs without it. Logits are
+always float32.
 """
 
 from __future__ import annotations

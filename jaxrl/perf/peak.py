@@ -74,7 +74,8 @@ def peak_flops(device: jax.Device | None = None, *, override_tflops: float | Non
     """Peak FLOP/s of `device` (default: the first device): override, table, or CPU calibration.
 
     On CPU the cached host rate is used unless `refresh`: then the matmul is measured again
-    and the cache keeps the best rate seen (`jaxrl bench` refreshes). Raises ValueError for an accelerator missing from the table when no override is given.
+    and the cache keeps the best rate seen (`jaxrl bench` refreshes). Raises ValueError for
+    an accelerator missing from the table when no override is given.
     """
     if override_tflops is not None:
         if not override_tflops > 0:

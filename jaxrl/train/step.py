@@ -29,8 +29,10 @@ XLA cannot move it away from its phase. `clock.pop()` gives `time/generate_s` an
 own start, so host reward scoring between the programs counts in neither.
 
 `compile(...)` compiles the program(s) ahead of the first call (so their memory analysis is
-known before anything runs); later calls run those executables, which never recompile. `fields_P` (in-graph task fields) and `rows_P` (dataset rows, for
-the host fields of Python rewards) are per prompt; they are repeated for the G samples.
+known before anything runs); later calls run those executables, which never recompile.
+
+`fields_P` (in-graph task fields) and `rows_P` (dataset rows, for the host fields of Python
+rewards) are per prompt; they are repeated for the G samples.
 """
 
 from __future__ import annotations
