@@ -86,7 +86,7 @@ def test_recipe_runs_two_steps_on_a_tiny_model(name, tmp_path, capsys, monkeypat
     code = main(["train", str(ROOT / "configs" / name), f"model.path={model_dir}",
                  f"data.source={data}", f"train.run_dir={run_dir}", "train.max_steps=2",
                  "data.batch_size=4", "rollout.max_new_tokens=8", "algo.microbatch_size=4",
-                 "log.tensorboard=false", *overlong])
+                 "log.tensorboard=false", "perf.count_flops=false", *overlong])
     assert code == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]

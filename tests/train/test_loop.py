@@ -26,8 +26,11 @@ SMALL = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
          "rollout.num_generations=4", "algo.num_minibatches=2", "train.max_steps=3",
          "train.eval_prompts=20", "train.eval_batch_size=8", "log.print_every=1",
          "train.target_reward=0.0", "perf.phase_times=true"]
+# Not compared between runs: timings, and FLOPs (runs that need none skip counting them).
 TIMING = ("time/step_s", "time/elapsed_s", "time/generate_s", "time/train_s",
-          "perf/tokens_per_s", "perf/mfu", "perf/hfu")
+          "perf/tokens_per_s", "perf/mfu", "perf/hfu", "perf/model_flops", "perf/xla_flops",
+          "perf/analytic_flops")
+NO_FLOPS = "perf.count_flops=false"  # for runs that test something else
 
 
 def _config(tmp_path, *overrides):
@@ -139,7 +142,7 @@ def test_a_step_that_does_not_fit_stops_before_training_with_suggestions(tmp_pat
 
 def test_split_mode_compiles_two_programs_once_and_matches_fused_metrics(fused_run, tmp_path):
     cfg, fused = fused_run
-    split = loop.train(_config(tmp_path, "algo.mode=split"), _console(), name="split")
+    split = loop.train(_config(tmp_path, "algo.mode=split", NO_FLOPS), _console(), name="split")
     assert split["step_compilations"] == 2
     fused_records = read_metrics(f"{fused['run_dir']}/metrics.jsonl")
     split_records = read_metrics(f"{split['run_dir']}/metrics.jsonl")
@@ -157,7 +160,8 @@ def test_another_seed_gives_other_metrics_and_a_kl_term_runs(fused_run, tmp_path
     _, first = fused_run
     # beta > 0 also exercises the frozen reference copy of the policy.
     other = loop.train(_config(tmp_path, "train.seed=1", "train.eval_prompts=0",
-                               "algo.loss.beta=0.1", "train.save_final=false"), _console())
+                               "algo.loss.beta=0.1", "train.save_final=false", NO_FLOPS),
+                       _console())
     assert _metrics_without_timing(other) != _metrics_without_timing(first)
     records = read_metrics(f"{other['run_dir']}/metrics.jsonl")
     # k3 is never negative; once updates moved the policy off the reference it is positive.
@@ -195,7 +199,7 @@ def test_metrics_already_computed_survive_a_failing_step(tmp_path, monkeypatch):
         return run
 
     monkeypatch.setattr(loop, "build_run", failing_build_run)
-    cfg = _config(tmp_path, "train.eval_prompts=0", "log.plot=false")
+    cfg = _config(tmp_path, "train.eval_prompts=0", "log.plot=false", NO_FLOPS)
     with pytest.raises(RuntimeError, match="simulated failure"):
         loop.train(cfg, _console())
     # Step 1 was dispatched before step 2 failed: its metrics are on disk too.
@@ -222,7 +226,7 @@ def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(fused_r
     monkeypatch.setattr(loop, "build_run", spying_build_run)
     monkeypatch.setattr(loop.jax, "device_get", fetch)
     again = loop.train(_config(tmp_path, "train.eval_prompts=0", "log.plot=false",
-                               "train.save_final=false"), _console())
+                               "train.save_final=false", NO_FLOPS), _console())
     assert events == ["dispatch", "dispatch", "fetch", "dispatch", "fetch", "fetch"]
     # The same config and seed as the fused run: the same metrics, step for step.
     assert _metrics_without_timing(again) == _metrics_without_timing(fused_run[1])
