@@ -185,8 +185,10 @@ class _Phases:
                  chunk_size: int | None, num_layers: int):
         self.algo = dataclasses.replace(algo, logprob_chunk_size=chunk_size)
         self.sampler, self.shapes, self.trips = sampler, shapes, trips
+        # XLA's own attention: the same FLOPs as a cuDNN kernel, which the host cannot compile
+        # (and whose custom call cost analysis would count as nothing).
         config = dataclasses.replace(model_config, scan_layers=False, remat=remat,
-                                     num_layers=num_layers)
+                                     num_layers=num_layers, attention_impl="xla")
         self.graphdef, params = nnx.split(
             nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
         self.params = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params)

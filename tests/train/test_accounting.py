@@ -101,6 +101,17 @@ def test_chunked_log_probs_are_counted_in_every_chunk():
     assert logp_chunked == pytest.approx(logp_plain, rel=0.05)
 
 
+def test_a_cudnn_attention_config_is_counted_with_xla_attention_on_the_host():
+    cudnn = dataclasses.replace(CONFIG, attention_impl="cudnn")
+    sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
+                            num_generations=SHAPES.generations)
+    phases = _Phases(ALGO, cudnn, sampler, SHAPES, _trips(ALGO, SHAPES), remat="none",
+                     chunk_size=None, num_layers=1)
+    assert phases.config.attention_impl == "xla"
+    decode = program_cost("decode", phases.lower()["decode"].compile())
+    assert decode.flops and decode.flops > 0
+
+
 def test_deep_models_are_counted_exactly_from_one_and_two_layers():
     deep = _account(layers=3)  # counted from 1- and 2-layer compiles
     phases = _phases(deep.model)
