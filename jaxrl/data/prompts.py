@@ -1,29 +1,31 @@
-"""Prompt data: rows from a file or a `datasets.Dataset` -> fixed-shape, left-padded batches.
+"""Prompt data: rows from a dataset source -> fixed-shape, left-padded batches.
 
-`PromptSource(...).build(tokenizer)` loads the rows with the `datasets` library (a local
-`.jsonl`/`.json` or `.parquet` file, or an in-memory `datasets.Dataset`), tokenizes every prompt
-once up front through `tokenizer.encode_prompts` (chat template when asked for and the tokenizer
-has one), and returns a `PromptBatches` iterator.
+`PromptSource(...).build(tokenizer)` loads the rows (one split of a data file, a directory or a
+Hugging Face dataset name, through `sources.load_rows`; or an in-memory `datasets.Dataset`),
+tokenizes every prompt once up front through `tokenizer.encode_prompts` (chat template when
+asked for and the tokenizer has one), and returns a `PromptBatches` iterator.
 
 - Prompts longer than `max_prompt_len` tokens (counted after the chat template) are dropped and
   counted in `stats`, never truncated: a truncated prompt is a different question.
 - Every batch is `ids_BxP` int32 / `mask_BxP` bool of shape [batch_size, max_prompt_len],
   left-padded with `pad_token_id(tokenizer)`, so the shapes (and the compiled program) never
   change; with it come the rows' `fields` (column -> list) and their dataset row indices.
-- Epoch e visits the usable prompts in the permutation drawn from (seed, e). The last
-  `num_prompts % batch_size` prompts of each epoch's order are dropped, not wrapped into the next
-  epoch: a batch then never holds the same prompt twice and every epoch is its own shuffle, and
-  since the order changes each epoch, different prompts are left out each time.
-- The iterator never ends (the loop stops at `train.max_steps`). `state()` is
-  `{"epoch": e, "offset": o}` (prompts already taken from epoch e's order); `restore` of it
-  resumes exactly, mid-epoch included.
+- Which prompts each step takes is a prompt sampler's choice (`jaxrl.data.curriculum`, set by
+  `data.curriculum`; `use_sampler` after `build`). The default, `none`, visits the usable prompts
+  of epoch e in the permutation drawn from (seed, e). The last `num_prompts % batch_size` prompts
+  of each epoch's order are dropped, not wrapped into the next epoch: a batch then never holds
+  the same prompt twice and every epoch is its own shuffle, and since the order changes each
+  epoch, different prompts are left out each time. `observe` feeds results back to it.
+- The iterator never ends (the loop stops at `train.max_steps`). `state()` is a flat dict of
+  numpy arrays (the sampler's position, and curriculum state); `restore` of it resumes exactly,
+  mid-epoch included.
 - Bad input fails at `build`, before anything compiles, with an error naming the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,10 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from jaxrl.data.curriculum import EpochSampler, PromptSampler
+from jaxrl.data.sources import describe, load_rows, require_columns
 from jaxrl.data.tokenizer import encode_prompts, pad_token_id
 
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _CHUNK = 256  # prompts per encode_prompts call: bounds the padded scratch array
 
 
@@ -54,6 +57,7 @@ class PromptBatch:
     ids_BxP: np.ndarray
     mask_BxP: np.ndarray
     rows_B: np.ndarray
+    positions_B: np.ndarray  # the rows' positions among the usable prompts (int64)
     fields: dict[str, list[Any]]
 
 
@@ -61,7 +65,9 @@ class PromptBatch:
 class PromptSource:
     """Where the prompts come from and how they are batched; `build` makes the iterator."""
 
-    source: str | Path | datasets.Dataset
+    source: str | Path | datasets.Dataset  # a path or dataset name: sources.load_rows
+    subset: str | None = None  # the dataset config of a Hugging Face dataset name, e.g. "main"
+    split: str = "train"
     prompt_column: str = "prompt"
     field_columns: tuple[str, ...] = ()  # task fields carried along per row, e.g. ("answer",)
     chat_template: bool = True
@@ -84,15 +90,14 @@ class PromptSource:
         """The source's rows, checked: not empty, and the prompt and field columns exist."""
         if isinstance(self.source, datasets.Dataset):
             rows, name = self.source, "the in-memory dataset"
+            if len(rows) == 0:
+                raise ValueError(f"prompt dataset {name} has no rows")
         else:
-            rows, name = _load_file(Path(self.source)), repr(str(self.source))
-        if len(rows) == 0:
-            raise ValueError(f"prompt dataset {name} has no rows")
-        for column in (self.prompt_column, *self.field_columns):
-            if column not in rows.column_names:
-                kind = "prompt" if column == self.prompt_column else "field"
-                raise ValueError(f"{kind} column {column!r} is not in {name}; "
-                                 f"its columns are {rows.column_names}")
+            rows = load_rows(self.source, subset=self.subset, split=self.split)
+            name = f"{describe(self.source, self.subset)} split {self.split!r}"
+        require_columns(rows, {self.prompt_column: "prompt",
+                               **{c: "field" for c in self.field_columns
+                                  if c != self.prompt_column}}, name)
         return rows
 
     def build(self, tokenizer: PreTrainedTokenizerBase) -> PromptBatches:
@@ -123,22 +128,6 @@ class PromptSource:
                              batch_size=self.batch_size, seed=self.seed, stats=stats)
 
 
-def _load_file(path: Path) -> datasets.Dataset:
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
-    fmt = _FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"unsupported prompt file extension {path.suffix!r} of {str(path)!r}: "
-                         f"expected one of {', '.join(_FORMATS)}")
-    if path.stat().st_size == 0:
-        raise ValueError(f"prompt dataset {str(path)!r} has no rows (the file is empty)")
-    try:
-        return datasets.load_dataset(fmt, data_files=str(path), split="train")
-    except Exception as e:  # the loader fails on row-less or malformed files in several ways
-        raise ValueError(f"could not read rows from {str(path)!r} as {fmt} (a file with no rows "
-                         f"fails here too): {type(e).__name__}: {e}") from e
-
-
 def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chat_template: bool,
               max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids_KxP, mask_KxP) of the K prompts that fit in P=max_len, and every prompt's length."""
@@ -163,53 +152,75 @@ def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chat_tem
 
 
 class PromptBatches:
-    """Endless iterator of `PromptBatch`es; epoch e uses the permutation drawn from (seed, e)."""
+    """Endless iterator of `PromptBatch`es; a prompt sampler (`jaxrl.data.curriculum`) picks
+    each step's positions, by default uniform epochs (`none`).
+
+    Every process draws the same global batch of `batch_size` prompts and yields its contiguous
+    slice of rows [i*B/P, (i+1)*B/P); `observe` takes the global batch's positions and success
+    (every process's `positions_B` concatenated in process order), so all processes' samplers
+    stay in step.
+    """
 
     def __init__(self, ids_NxP: np.ndarray, mask_NxP: np.ndarray, rows_N: np.ndarray,
-                 fields: dict[str, list[Any]], *, batch_size: int, seed: int, stats: PromptStats):
-        if not 1 <= batch_size <= len(ids_NxP):
-            raise ValueError(f"batch_size={batch_size} must be between 1 and the "
-                             f"{len(ids_NxP)} usable prompts")
+                 fields: dict[str, list[Any]], *, batch_size: int, seed: int, stats: PromptStats,
+                 sampler: PromptSampler | None = None, process_index: int = 0,
+                 process_count: int = 1):
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} must be in 0..process_count-1 "
+                             f"with process_count={process_count}")
+        if batch_size % process_count:
+            raise ValueError(f"batch_size={batch_size} must be divisible by process_count="
+                             f"{process_count}: every process takes an equal slice of a batch")
         self.ids_NxP, self.mask_NxP, self.rows_N, self.fields = ids_NxP, mask_NxP, rows_N, fields
-        self.batch_size, self.seed, self.stats = batch_size, seed, stats
+        self.num_prompts, self.batch_size, self.seed, self.stats = (
+            len(ids_NxP), batch_size, seed, stats)
         self.batches_per_epoch = len(ids_NxP) // batch_size
-        self._epoch, self._offset = 0, 0
-        self._order_epoch, self._order_N = -1, np.empty(0, np.int64)
+        local = batch_size // process_count
+        self._slice = slice(process_index * local, (process_index + 1) * local)
+        self.sampler: PromptSampler = EpochSampler(self.num_prompts, batch_size, seed)
+        if sampler is not None:
+            self.use_sampler(sampler)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """Epoch `epoch`'s visiting order of the usable prompts (positions, not dataset rows)."""
-        if epoch != self._order_epoch:
-            rng = np.random.default_rng((self.seed, epoch))
-            self._order_epoch, self._order_N = epoch, rng.permutation(len(self.ids_NxP))
-        return self._order_N
+    def use_sampler(self, sampler: PromptSampler) -> None:
+        """Draw with `sampler` (e.g. `make_prompt_sampler(cfg.data.curriculum, ...)`) from now
+        on; only before the first batch, so that step numbers and state stay consistent."""
+        if self.sampler.step:
+            raise ValueError(f"use_sampler after {self.sampler.step} batches were drawn: "
+                             f"choose the sampler before the first batch")
+        if (sampler.num_prompts, sampler.batch_size) != (self.num_prompts, self.batch_size):
+            raise ValueError(f"the sampler is for {sampler.num_prompts} prompts in batches of "
+                             f"{sampler.batch_size}, this iterator has {self.num_prompts} and "
+                             f"{self.batch_size}")
+        self.sampler = sampler
+
+    @property
+    def step(self) -> int:
+        """Batches drawn so far: the step whose batch `next` returns."""
+        return self.sampler.step
 
     def __iter__(self) -> PromptBatches:
         return self
 
     def __next__(self) -> PromptBatch:
-        take_B = self.order(self._epoch)[self._offset:self._offset + self.batch_size]
-        self._offset += self.batch_size
-        if self._offset + self.batch_size > len(self.ids_NxP):  # the rest is the remainder
-            self._epoch, self._offset = self._epoch + 1, 0
+        take_B = self.sampler.draw()[self._slice]
         return PromptBatch(ids_BxP=self.ids_NxP[take_B], mask_BxP=self.mask_NxP[take_B],
-                           rows_B=self.rows_N[take_B],
+                           rows_B=self.rows_N[take_B], positions_B=take_B,
                            fields={c: [v[i] for i in take_B] for c, v in self.fields.items()})
 
-    def state(self) -> dict[str, int]:
-        """The position: epoch, and prompts already taken from its order (JSON-serialisable)."""
-        return {"epoch": self._epoch, "offset": self._offset}
+    def observe(self, step: int, positions_B: np.ndarray, success_B: np.ndarray,
+                signal_B: np.ndarray | None = None) -> None:
+        """Per-prompt success and learning signal in [0, 1] of step `step`'s global batch;
+        they steer the batch of step `step + LAG` (`jaxrl.data.curriculum`)."""
+        self.sampler.observe(step, positions_B, success_B, signal_B)
 
-    def restore(self, state: dict[str, int]) -> None:
+    def state(self) -> dict[str, np.ndarray]:
+        """The position and curriculum state: a flat dict of numpy arrays (an orbax pytree)."""
+        return self.sampler.state()
+
+    def restore(self, state: Mapping[str, Any]) -> None:
         """Resume at a position from `state()`; the following batches are the same as then."""
-        if set(state) != {"epoch", "offset"}:
-            raise ValueError(f"prompt iterator state must have keys 'epoch' and 'offset', "
-                             f"got {sorted(state)}")
-        epoch, offset = state["epoch"], state["offset"]
-        last = (self.batches_per_epoch - 1) * self.batch_size
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, offset)):
-            raise TypeError(f"prompt iterator state values must be ints, got {state!r}")
-        if epoch < 0 or not 0 <= offset <= last or offset % self.batch_size:
-            raise ValueError(f"prompt iterator state {state!r} is out of range: offset must be "
-                             f"a multiple of batch_size={self.batch_size} from 0 to {last}, "
-                             f"epoch non-negative")
-        self._epoch, self._offset = epoch, offset
+        self.sampler.restore(state)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for the metrics log: data/epoch and the curriculum's own."""
+        return self.sampler.metrics()

@@ -1,5 +1,6 @@
 """Prompt data: fixed-shape left-padded batches, dropped long prompts, seeded epochs, resume."""
 
+import io
 import json
 
 import datasets
@@ -7,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from jaxrl.data.prompts import PromptSource
+from jaxrl.data.curriculum import make_prompt_sampler
+from jaxrl.data.prompts import PromptBatches, PromptSource, PromptStats
 from jaxrl.data.tokenizer import load_tokenizer, make_char_tokenizer, pad_token_id
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
@@ -32,6 +34,14 @@ def jsonl(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     return path
+
+
+def np_round_trip(state):
+    buffer = io.BytesIO()
+    np.savez(buffer, **state)
+    buffer.seek(0)
+    with np.load(buffer) as loaded:
+        return dict(loaded)
 
 
 def rows_of(batches, n):
@@ -79,7 +89,9 @@ def test_every_usable_prompt_appears_once_per_epoch_and_epochs_reshuffle(tokeniz
     left_out = []
     for epoch, rows in enumerate(epochs):
         assert len(set(rows)) == 9
-        assert rows == batches.rows_N[batches.order(epoch)[:9]].tolist()
+        # Bit-identical to the permutation drawn from (seed, epoch), as before curricula.
+        order_N = np.random.default_rng((7, epoch)).permutation(10)
+        assert rows == batches.rows_N[order_N[:9]].tolist()
         left_out.append(set(range(10)) - set(rows))
     assert len({tuple(rows) for rows in epochs}) == 4
     assert len(set().union(*left_out)) > 1  # the remainder moves with the shuffle
@@ -97,14 +109,15 @@ def test_state_restore_resumes_mid_epoch_exactly(tokenizer, jsonl):
     source = PromptSource(jsonl, batch_size=3, seed=3)
     batches = source.build(tokenizer)
     rows_of(batches, 2)
-    state = json.loads(json.dumps(batches.state()))
-    assert state == {"epoch": 0, "offset": 6}
+    state = np_round_trip(batches.state())
+    assert (int(state["epoch"]), int(state["offset"])) == (0, 6)
     expected = [next(batches) for _ in range(5)]  # crosses into epochs 1 and 2
     resumed = source.build(tokenizer)
     resumed.restore(state)
     for want, got in zip(expected, (next(resumed) for _ in range(5)), strict=True):
         assert (want.ids_BxP == got.ids_BxP).all() and (want.rows_B == got.rows_B).all()
-    assert resumed.state() == batches.state() == {"epoch": 2, "offset": 3}
+    for key in ("epoch", "offset"):
+        assert resumed.state()[key] == batches.state()[key] == {"epoch": 2, "offset": 3}[key]
 
 
 def test_in_memory_dataset_source(tokenizer):
@@ -134,10 +147,10 @@ def test_bad_input_is_named(tokenizer, jsonl, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         build(tmp_path / "nope.jsonl")
-    csv = tmp_path / "prompts.csv"
-    csv.write_text("prompt\nabc\n")
-    with pytest.raises(ValueError, match=r"unsupported prompt file extension '\.csv'"):
-        build(csv)
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("prompt\nabc\n")
+    with pytest.raises(ValueError, match=r"unsupported prompt file extension '\.txt'"):
+        build(txt)
     with pytest.raises(ValueError, match=r"prompt column 'question' .*\['prompt', 'answer', "):
         build(jsonl, prompt_column="question")
     with pytest.raises(ValueError, match=r"field column 'solution' .*\['prompt', 'answer', "):
@@ -160,7 +173,71 @@ def test_bad_input_is_named(tokenizer, jsonl, tmp_path):
 
 def test_restore_rejects_a_foreign_state(tokenizer, jsonl):
     batches = PromptSource(jsonl, batch_size=3).build(tokenizer)
-    with pytest.raises(ValueError, match="keys 'epoch' and 'offset'"):
-        batches.restore({"epoch": 0})
+    state = batches.state()
+    with pytest.raises(ValueError, match="state is missing key 'offset'"):
+        batches.restore({k: v for k, v in state.items() if k != "offset"})
     with pytest.raises(ValueError, match=r"offset must be a multiple of batch_size=3 from 0 to 6"):
-        batches.restore({"epoch": 0, "offset": 9})
+        batches.restore(state | {"offset": np.asarray(9)})
+    with pytest.raises(ValueError, match="has batch_size=4 but this iterator has batch_size=3"):
+        batches.restore(state | {"batch_size": np.asarray(4)})
+
+
+def synthetic_batches(num_prompts=12, batch_size=4, **kw):
+    """PromptBatches over made-up token rows: prompt k is [k, k] at dataset row 100 + k."""
+    ids_NxP = np.repeat(np.arange(num_prompts, dtype=np.int32)[:, None], 2, axis=1)
+    stats = PromptStats(num_rows=num_prompts, num_prompts=num_prompts, num_dropped=0, longest=2)
+    return PromptBatches(ids_NxP, np.ones_like(ids_NxP, bool), np.arange(num_prompts) + 100,
+                         {"k": list(range(num_prompts))}, batch_size=batch_size, seed=5,
+                         stats=stats, **kw)
+
+
+def test_positions_index_the_usable_prompts_and_feed_observe():
+    batches = synthetic_batches()
+    batches.use_sampler(make_prompt_sampler("pass_rate", 12, 4, seed=5, group_size=4))
+    for step in range(6):
+        assert batches.step == step
+        batch = next(batches)
+        assert batch.positions_B.dtype == np.int64
+        assert (batch.ids_BxP[:, 0] == batch.positions_B).all()
+        assert (batch.rows_B == batch.positions_B + 100).all()
+        assert batch.fields["k"] == batch.positions_B.tolist()
+        batches.observe(step, batch.positions_B, np.full(4, 0.5))
+    assert batches.metrics()["curriculum/mean_pass_rate"] == 0.5
+
+
+@pytest.mark.parametrize("kind", ["none", "pass_rate"])
+def test_processes_take_contiguous_slices_of_the_same_global_batch(kind):
+    success_SxB = np.random.default_rng(0).integers(0, 2, (8, 4)).astype(float)
+
+    def drawn(process_index=0, process_count=1, global_positions=None):
+        batches = synthetic_batches(process_index=process_index, process_count=process_count)
+        batches.use_sampler(make_prompt_sampler(kind, 12, 4, seed=5, group_size=2))
+        out = []
+        for step in range(8):
+            out.append(next(batches))
+            # Every process observes the global batch (gathered from all processes).
+            positions_B = out[-1].positions_B if global_positions is None else (
+                global_positions[step])
+            batches.observe(step, positions_B, success_SxB[step])
+        return out
+
+    single = [batch.positions_B for batch in drawn()]
+    halves = [drawn(i, 2, single) for i in range(2)]
+    for step, (first, second) in enumerate(zip(*halves, strict=True)):
+        assert first.ids_BxP.shape == second.ids_BxP.shape == (2, 2)
+        assert np.concatenate([first.positions_B, second.positions_B]).tolist() == \
+            single[step].tolist()
+        assert first.fields["k"] + second.fields["k"] == single[step].tolist()
+
+
+def test_sampler_and_process_errors_are_named():
+    with pytest.raises(ValueError, match="batch_size=4 must be divisible by process_count=3"):
+        synthetic_batches(process_count=3)
+    with pytest.raises(ValueError, match="process_index=2 must be in 0..process_count-1"):
+        synthetic_batches(process_index=2, process_count=2)
+    with pytest.raises(ValueError, match="sampler is for 12 prompts in batches of 6"):
+        synthetic_batches(sampler=make_prompt_sampler("none", 12, 6, seed=5))
+    batches = synthetic_batches()
+    next(batches)
+    with pytest.raises(ValueError, match="use_sampler after 1 batches were drawn"):
+        batches.use_sampler(make_prompt_sampler("none", 12, 4, seed=5))

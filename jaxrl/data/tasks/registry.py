@@ -1,70 +1,90 @@
-"""Tasks by name: each gives its prompt rows, its verifier rewards and the fields they read.
+"""Tasks by name: `make_task(config, seed=...)` makes the `Task` that `data.task` names.
 
-    task = make_task("addition", num_digits=2, num_prompts=20_000, seed=0)
-    rows = task.train_rows                  # datasets.Dataset: "prompt" + task field columns
-    rewards = task.rewards(tokenizer)       # JaxReward / PythonReward list
-    fields_P = task.device_fields(tokenizer, batch.fields)   # in-graph fields of a batch
+    addition  synthetic sums, an in-graph per-digit reward, its own tokenizer (addition.py)
+    gsm8k     math word problems, gold after "####", math-verify correctness (gsm8k.py)
+    math      MATH-style problems, gold the last \\boxed{} of the answer column or the column
+              whole, math-verify correctness (competition_math.py)
+    custom    prompts verbatim, your reward function `data.reward_fn` (custom.py)
 
-`train_rows` always has a rendered `prompt` column (what is tokenized) and the
-`field_columns` the rewards read: through `device_fields` (arrays the in-graph JAX rewards
-see, one row per prompt) or, for Python rewards, as the host fields of each sample's dataset
-row. Synthetic tasks also bring their own tokenizer (`tokenizer`) and draw fresh prompts for
-evaluation (`eval_rows`); a dataset task has neither.
+The dataset tasks (all but addition) read and check their rows with dataset.py. Their rewards
+all run on the host:
 
-Every reward returns values in [0, 1] with 1 meaning solved, so "exact match" (every reward
-at 1) is defined for every task.
+    correctness  gsm8k / math: "math", the task's math_reward in the answer format
+                 `data.format`; with `data.reward_fn` set (custom always), that function
+                 instead, named after it
+    format       the answer format's format reward (formats.py), weight `data.format_weight`;
+                 none when it is 0
+
+`make_task` resolves `data.reward_fn` first and then reads the rows, so every failure (a reward
+function that does not resolve; a source, split or column that is not there; an empty split; a
+missing or non-numeric difficulty) is a ValueError or FileNotFoundError raised before any model
+loads or anything compiles.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal, get_args
+from types import ModuleType
+from typing import Any
 
 import datasets
-import numpy as np
-from transformers import PreTrainedTokenizerBase
 
-from jaxrl.data.prompts import PromptSource
-from jaxrl.data.tasks import gsm8k
+from jaxrl.data.tasks import competition_math, custom, formats, gsm8k
 from jaxrl.data.tasks.addition import AdditionTask, addition_reward, make_addition_tokenizer
-from jaxrl.data.tokenizer import decode_completions
-from jaxrl.rl.rewards import JaxReward, PythonReward, Reward, RewardSet
+from jaxrl.data.tasks.config import SYNTHETIC_TASKS, TaskConfig, TaskName
+from jaxrl.data.tasks.dataset import dataset_task
+from jaxrl.data.tasks.formats import AnswerFormat
+from jaxrl.data.tasks.task import Task
+from jaxrl.rl.rewards import JaxReward, PythonReward
 
-TaskName = Literal["addition", "gsm8k"]
-SYNTHETIC_TASKS = ("addition",)  # make their own prompts and tokenizer
+__all__ = ["SYNTHETIC_TASKS", "Task", "TaskConfig", "TaskName", "addition_task", "make_task"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """A task's rows, rewards and fields (module docstring)."""
-
-    name: str
-    train_rows: datasets.Dataset
-    field_columns: tuple[str, ...]
-    rewards: Callable[[PreTrainedTokenizerBase], list[Reward]]
-    device_fields: Callable[[PreTrainedTokenizerBase, dict[str, list[Any]]],
-                            dict[str, np.ndarray]]
-    tokenizer: Callable[[], PreTrainedTokenizerBase] | None = None
-    eval_rows: Callable[[int, int], datasets.Dataset] | None = None
-
-    def reward_set(self, tokenizer: PreTrainedTokenizerBase,
-                   rows: datasets.Dataset) -> RewardSet:
-        """The task's rewards; Python ones see decoded text and the fields of `rows`' rows."""
-        columns = {c: list(rows[c]) for c in self.field_columns}
-
-        def host_fields(rows_B: np.ndarray) -> list[dict[str, Any]]:
-            return [{c: values[int(r)] for c, values in columns.items()} for r in rows_B]
-
-        def decode(ids_BxT: np.ndarray, mask_BxT: np.ndarray) -> list[str]:
-            return decode_completions(tokenizer, ids_BxT, mask_BxT)
-
-        return RewardSet(self.rewards(tokenizer), decode=decode, host_fields=host_fields)
+# The math tasks: the module with gold_answer and math_reward, and the prompt renderer.
+_MATH_TASKS: dict[str, tuple[ModuleType, Callable[..., str]]] = {
+    "gsm8k": (gsm8k, gsm8k.render_question),
+    "math": (competition_math, competition_math.render_problem),
+}
 
 
-def _no_device_fields(tokenizer, fields):
-    return {}
+def make_task(config: TaskConfig, *, seed: int) -> Task:
+    """The task `config.task` with its options (module docstring); `seed` draws synthetic rows."""
+    if config.task == "addition":
+        return addition_task(config.num_digits, config.num_prompts, seed)
+    rewards = _dataset_rewards(config)
+    if config.task == "custom":
+        return dataset_task(config, render=custom.render_prompt, carry_answer=False, gold=None,
+                            rewards=rewards)
+    module, render = _MATH_TASKS[config.task]
+    return dataset_task(config, render=_in_format(render, config.format), carry_answer=True,
+                        gold=None if config.reward_fn else module.gold_answer, rewards=rewards)
+
+
+def _dataset_rewards(config: TaskConfig) -> list[PythonReward]:
+    """The correctness reward (or data.reward_fn's), then the format reward when weighted."""
+    if config.reward_fn:
+        name, fn = custom.load_reward_fn(config.reward_fn)
+        try:
+            correctness = PythonReward(name, fn)
+        except ValueError as e:
+            raise ValueError(f"data.reward_fn={config.reward_fn!r}: {e}") from None
+    else:
+        correctness = PythonReward("math", _in_format(_MATH_TASKS[config.task][0].math_reward,
+                                                      config.format))
+    if not config.format_weight:
+        return [correctness]
+    if correctness.name == "format":
+        raise ValueError(f"data.reward_fn={config.reward_fn!r} is named 'format' like the format "
+                         f"reward (data.format_weight={config.format_weight}); rename it")
+    return [correctness, PythonReward("format", _in_format(formats.format_reward, config.format),
+                                      weight=config.format_weight)]
+
+
+def _in_format(fn: Callable[..., Any], answer_format: AnswerFormat) -> Callable[..., Any]:
+    """`fn` with its keyword `answer_format` bound; boxed, every fn's default, leaves fn as is."""
+    if answer_format == "boxed":
+        return fn
+    return functools.partial(fn, answer_format=answer_format)
 
 
 def addition_task(num_digits: int, num_prompts: int, seed: int) -> Task:
@@ -88,37 +108,3 @@ def addition_task(num_digits: int, num_prompts: int, seed: int) -> Task:
                 datasets.Dataset.from_list(task.sample_problems(num_prompts, seed, split="train")),
                 ("answer",), rewards, device_fields, tokenizer=make_addition_tokenizer,
                 eval_rows=eval_rows)
-
-
-def gsm8k_task(source: str | Path, question_column: str, answer_column: str,
-               format_weight: float) -> Task:
-    """Math word problems from a jsonl/parquet file, checked by math-verify (gsm8k.py)."""
-    rows = PromptSource(source, prompt_column=question_column,
-                        field_columns=(answer_column,)).load()
-
-    def render(row):
-        return {"prompt": gsm8k.render_question(row[question_column]),
-                "answer": row[answer_column]}
-
-    rows = rows.map(render, remove_columns=[c for c in rows.column_names
-                                            if c not in ("prompt", "answer")])
-
-    def rewards(tokenizer):
-        out: list[Reward] = [PythonReward("math", gsm8k.math_reward)]
-        if format_weight:
-            out.append(PythonReward("format", gsm8k.format_reward, weight=format_weight))
-        return out
-
-    return Task("gsm8k", rows, ("answer",), rewards, _no_device_fields)
-
-
-def make_task(name: TaskName, *, source: str | None, prompt_column: str, answer_column: str,
-              num_digits: int, num_prompts: int, format_weight: float, seed: int) -> Task:
-    """The task called `name` (one of `TaskName`) with its options."""
-    if name == "addition":
-        return addition_task(num_digits, num_prompts, seed)
-    if name == "gsm8k":
-        if not source:
-            raise ValueError("task gsm8k reads its questions from a file: set data.source")
-        return gsm8k_task(source, prompt_column, answer_column, format_weight)
-    raise ValueError(f"unknown task {name!r}; expected one of {', '.join(get_args(TaskName))}")

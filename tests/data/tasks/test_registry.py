@@ -1,29 +1,33 @@
-"""Task registry: addition rows, tokenizer, device fields and reward; gsm8k rows from a file,
-its rewards by format_weight, column errors; host fields of a reward set by dataset row."""
+"""Task registry: addition rows, tokenizer, device fields and reward; the dataset tasks' rows
+and rewards by task, answer format, format weight and reward_fn (resolved before any data is
+read); host fields of a reward set by dataset row."""
 
 import json
 import string
-import typing
+import uuid
 
+import datasets
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.data.tasks import gsm8k
+from jaxrl.data.tasks import competition_math, formats, gsm8k
 from jaxrl.data.tasks.addition import ALPHABET
-from jaxrl.data.tasks.registry import TaskName, make_task
+from jaxrl.data.tasks.registry import TaskConfig, make_task
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.rl.rewards import JaxReward, PythonReward, RewardInputs
 
 EOS = 2
 
-# make_task's keyword arguments; each test overrides the ones it is about.
-DEFAULTS = dict(source=None, prompt_column="question", answer_column="answer", num_digits=2,
-                num_prompts=64, format_weight=0.0, seed=0)
 
 
-def _task(name, **overrides):
-    return make_task(name, **{**DEFAULTS, **overrides})
+def _task(name, seed=0, **keys):
+    """make_task of data.task=name; dataset tasks read the "question" column unless told."""
+    if name == "addition":
+        keys.setdefault("num_prompts", 64)
+    else:
+        keys.setdefault("prompt_column", "question")
+    return make_task(TaskConfig(task=name, **keys), seed=seed)
 
 
 def _inputs(tokenizer, prompts, completions, rows, fields=None):
@@ -104,74 +108,146 @@ def test_addition_eval_rows_are_not_the_train_rows():
     assert evals.to_list() != task.eval_rows(50, 1).to_list()
 
 
-# ---------------------------------------------------------------------------------- gsm8k
+# ------------------------------------------------------------------------- dataset tasks
 
 QUESTIONS = ["What is 6 times 7?", "  Half of 1? \n", "How many legs have 3 cats?"]
 ANSWERS = ["6 * 7 = 42\n#### 42", "#### 0.5", "3 * 4 = 12\n#### 12"]
+SOLUTIONS = ["6 * 7 is $\\boxed{42}$.", "Half is $\\boxed{\\frac{1}{2}}$.", "$\\boxed{12}$"]
+LEVELS = [1, 3, 2]
+
+
+@pytest.fixture(autouse=True)
+def _own_datasets_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
 
 
 @pytest.fixture
-def gsm8k_file(tmp_path):
-    def write(answer_column="answer", extra=None):
-        path = tmp_path / "problems.jsonl"
-        with path.open("w") as f:
-            for q, a in zip(QUESTIONS, ANSWERS, strict=True):
-                f.write(json.dumps({"question": q, answer_column: a, **(extra or {})}) + "\n")
-        return str(path)
-    return write
+def problems(tmp_path):
+    """A jsonl of QUESTIONS with their ANSWERS (or SOLUTIONS), levels and an id."""
+    path = tmp_path / "problems.jsonl"
+    with path.open("w") as f:
+        for i, (q, a, s, level) in enumerate(zip(QUESTIONS, ANSWERS, SOLUTIONS, LEVELS,
+                                                 strict=True)):
+            f.write(json.dumps({"question": q, "answer": a, "solution": s, "level": level,
+                                "id": i}) + "\n")
+    return str(path)
 
 
-@pytest.mark.parametrize("answer_column", ["answer", "solution"])
-def test_gsm8k_rows_are_the_rendered_question_and_the_answer(gsm8k_file, answer_column):
-    task = _task("gsm8k", source=gsm8k_file(answer_column, extra={"id": 7}),
-                 answer_column=answer_column)
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    """A module on sys.path with the reward `score`: 1 when the completion holds fields["id"]."""
+    name = f"jaxrl_test_rewards_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "def score(prompt, completion, fields):\n"
+        "    return float(str(fields.get('id')) in completion)\n"
+        "mean = score\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_gsm8k_rows_are_the_rendered_question_and_the_answer(problems):
+    task = _task("gsm8k", source=problems)
     rows = task.train_rows
-    assert sorted(rows.column_names) == ["answer", "prompt"]
-    assert rows["prompt"] == [gsm8k.render_question(q) for q in QUESTIONS]
-    assert rows["prompt"][1] == "Half of 1?" + gsm8k.PROMPT_SUFFIX
-    assert rows["answer"] == ANSWERS
-    assert task.field_columns == ("answer",)
-    assert task.tokenizer is None and task.eval_rows is None
+    assert rows.column_names == ["prompt", "answer"]
+    assert list(rows["prompt"]) == [gsm8k.render_question(q) for q in QUESTIONS]
+    assert rows["prompt"][1] == "Half of 1?" + formats.PROMPT_SUFFIXES["boxed"]
+    assert list(rows["answer"]) == ANSWERS
+    assert task.name == "gsm8k" and task.field_columns == ("answer",)
+    assert task.tokenizer is None and task.eval_rows is None and task.difficulty_column is None
     assert task.device_fields(None, {"answer": ANSWERS}) == {}
 
 
-@pytest.mark.parametrize("format_weight, expected", [
-    (0.0, [("math", 1.0)]),
-    (0.25, [("math", 1.0), ("format", 0.25)]),
+def test_fields_and_difficulty_are_carried(problems):
+    task = _task("gsm8k", source=problems, answer_column="solution", fields=["id", "solution"],
+                 difficulty_column="level")
+    rows = task.train_rows
+    assert rows.column_names == ["prompt", "answer", "id", "solution", "level"]
+    assert list(rows["answer"]) == list(rows["solution"]) == SOLUTIONS
+    assert list(rows["id"]) == [0, 1, 2] and list(rows["level"]) == LEVELS
+    assert task.field_columns == ("answer", "id", "solution")
+    assert task.difficulty_column == "level"
+
+
+@pytest.mark.parametrize("name, format_weight, expected", [
+    ("gsm8k", 0.0, [("math", 1.0)]),
+    ("gsm8k", 0.25, [("math", 1.0), ("format", 0.25)]),
+    ("math", 0.5, [("math", 1.0), ("format", 0.5)]),
 ])
-def test_gsm8k_rewards_by_format_weight(gsm8k_file, format_weight, expected):
-    task = _task("gsm8k", source=gsm8k_file(), format_weight=format_weight)
+def test_math_task_rewards_by_format_weight(problems, name, format_weight, expected):
+    task = _task(name, source=problems, format_weight=format_weight)
     rewards = task.rewards(None)
     assert all(isinstance(r, PythonReward) for r in rewards)
     assert [(r.name, r.weight) for r in rewards] == expected
-    assert rewards[0].fn is gsm8k.math_reward
+    module = {"gsm8k": gsm8k, "math": competition_math}[name]
+    assert rewards[0].fn is module.math_reward
     if len(rewards) > 1:
-        assert rewards[1].fn is gsm8k.format_reward
+        assert rewards[1].fn is formats.format_reward
 
 
-def test_gsm8k_missing_column_is_named(gsm8k_file):
-    with pytest.raises(ValueError, match="'solution'"):
-        _task("gsm8k", source=gsm8k_file(), answer_column="solution")
-    with pytest.raises(ValueError, match="'problem'"):
-        _task("gsm8k", source=gsm8k_file(), prompt_column="problem")
+def test_the_tags_format_asks_for_tags_and_reads_the_answer_block(problems):
+    task = _task("gsm8k", source=problems, format="tags", format_weight=0.5)
+    assert task.train_rows["prompt"][0] == QUESTIONS[0] + formats.PROMPT_SUFFIXES["tags"]
+    math, fmt = task.rewards(None)
+    fields = {"answer": ANSWERS[0]}
+    tagged, boxed = "<think>6 * 7</think><answer>42</answer>", "so \\boxed{42}"
+    assert (math.fn("p", tagged, fields), math.fn("p", boxed, fields)) == (1.0, 0.0)
+    assert (fmt.fn("p", tagged, fields), fmt.fn("p", boxed, fields)) == (1.0, 0.0)
 
 
-def test_gsm8k_needs_a_source():
-    for source in (None, ""):
-        with pytest.raises(ValueError, match="data.source"):
-            _task("gsm8k", source=source)
+def test_math_task_gold_is_the_last_box_of_the_solution(problems):
+    task = _task("math", source=problems, answer_column="solution")
+    rows = task.train_rows
+    assert rows["prompt"][1] == competition_math.render_problem(QUESTIONS[1])
+    (math,) = task.rewards(None)
+    assert [math.fn("p", "\\boxed{0.5}", {"answer": a}) for a in rows["answer"]] == [0, 1, 0]
 
 
-def test_unknown_task_lists_the_valid_ones():
-    assert typing.get_args(TaskName) == ("addition", "gsm8k")
-    with pytest.raises(ValueError, match="unknown task 'sudoku'") as info:
-        _task("sudoku")
-    for name in typing.get_args(TaskName):
-        assert name in str(info.value)
+def test_custom_prompts_are_verbatim_and_scored_by_reward_fn(problems, reward_module):
+    task = _task("custom", source=problems, fields=["id"], reward_fn=f"{reward_module}:score",
+                 format="tags", format_weight=0.25)
+    rows = task.train_rows
+    assert rows.column_names == ["prompt", "id"]
+    assert list(rows["prompt"]) == QUESTIONS  # not stripped, no instruction
+    assert task.field_columns == ("id",)
+    score, fmt = task.rewards(None)
+    assert (score.name, score.weight, fmt.name, fmt.weight) == ("score", 1.0, "format", 0.25)
+    assert score.fn("p", "row 2", {"id": 2}) == 1.0 and score.fn("p", "row 1", {"id": 2}) == 0.0
+    assert fmt.fn("p", "<think>x</think><answer>2</answer>", {}) == 1.0
 
 
-def test_reward_set_host_fields_follow_dataset_rows(gsm8k_file):
-    task = _task("gsm8k", source=gsm8k_file(), format_weight=0.5)
+def test_reward_fn_replaces_the_correctness_reward(problems, reward_module):
+    # The gold answers are not read, so answers math-verify could not use are fine here.
+    path = problems.replace("problems", "odd")
+    with open(path, "w") as f:
+        f.write(json.dumps({"question": "q", "answer": "", "id": 7}) + "\n")
+    task = _task("gsm8k", source=path, fields=["id"], reward_fn=f"{reward_module}:score",
+                 format_weight=0.5)
+    assert [r.name for r in task.rewards(None)] == ["score", "format"]
+    assert task.field_columns == ("answer", "id")
+
+
+def test_reward_fn_is_resolved_before_any_data_is_read(tmp_path, reward_module):
+    missing = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="data.reward_fn='jaxrl_nope:score': module"):
+        _task("custom", source=missing, reward_fn="jaxrl_nope:score")
+    with pytest.raises(ValueError, match=r"data.reward_fn=.*:mean': .*clashes with the metric"):
+        _task("gsm8k", source=missing, reward_fn=f"{reward_module}:mean")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        _task("custom", source=missing, reward_fn=f"{reward_module}:score")
+
+
+def test_a_reward_fn_named_format_clashes_with_the_format_reward(problems, tmp_path,
+                                                                monkeypatch):
+    (tmp_path / "jaxrl_test_format_reward.py").write_text("def format(p, c, f):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = dict(source=problems, reward_fn="jaxrl_test_format_reward:format")
+    assert [r.name for r in _task("custom", **keys).rewards(None)] == ["format"]
+    with pytest.raises(ValueError, match="named 'format' like the format reward"):
+        _task("custom", **keys, format_weight=1.0)
+
+
+def test_reward_set_host_fields_follow_dataset_rows(problems):
+    task = _task("gsm8k", source=problems, format_weight=0.5)
     rows = task.train_rows
     tokenizer = make_char_tokenizer(string.printable)
     reward_set = task.reward_set(tokenizer, rows)
