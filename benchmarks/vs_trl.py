@@ -149,8 +149,8 @@ def jaxrl_config(work: Path, workload: dict, steps_total: int) -> Path:
         "data": {"task": "gsm8k", "source": workload["prompts"], "prompt_column": "question",
                  "answer_column": "answer", "chat_template": False,
                  "max_prompt_len": workload["prompt_tokens"], "batch_size": PROMPTS_PER_STEP},
-        "train": {"max_steps": steps_total, "seed": SEED, "eval_prompts": 0,
-                  "save_final": False},
+        "train": {"max_steps": steps_total, "seed": SEED, "save_final": False},
+        "eval": {"num_prompts": 0},
         "log": {"tensorboard": False, "plot": False},
     }
     path = work / "jaxrl_vs_trl.yaml"

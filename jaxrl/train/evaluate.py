@@ -1,71 +1,166 @@
-"""Greedy evaluation of the policy on held-out prompts of a synthetic task.
+"""Evaluation of the policy on held-out prompts: n samples each, reward, exact match, pass@k.
 
-    rows   = task.eval_rows(n, seed)          held-out problems, never training rows
-    tokens = greedy completions (temperature 0, one per prompt), same compiled sampler code
-    r_B    = the task's rewards (weights as in training)
+    rows     = task.eval_rows(eval.num_prompts, eval.seed)   held-out, never training rows
+    samples  = eval.num_samples completions per prompt, drawn with eval.temperature / top_k /
+               top_p (temperature 0: greedy, n = 1) by the same compiled sampler code
+    r_pj     = Σ_k w_k · r_k,pj, the task's rewards of sample j of prompt p (weights as in
+               training); the sample is *solved* when r_pj = Σ_k w_k, i.e. every reward is at
+               its max of 1 (addition: every digit and the EOS right)
+    c_p      = solved samples of prompt p, out of n   (arrays: N prompts x S = n samples)
 
-Reported: `eval/reward_mean` (mean total reward), `eval/exact_match` (fraction of prompts
-whose every reward is 1, i.e. solved: for addition, every digit and the EOS right) and
-`eval/num_prompts`. Prompts go in fixed-size batches (the last one padded with repeats of
-its first prompt, whose results are dropped), so one program serves every batch.
+Reported (`evaluate`):
+
+    eval/reward_mean   mean of r_pj over all samples
+    eval/exact_match   fraction of samples solved
+    eval/pass@k        for each k in eval.k, the unbiased estimator (Chen et al. 2021)
+                           pass@k = mean_p [1 - C(n - c_p, k) / C(n, k)]
+                       computed as 1 - Π_{i=n-c_p+1..n} (1 - k/i): no huge binomials
+    eval/num_prompts   N (fewer than eval.num_prompts when the task holds out fewer)
+    eval/num_samples   n
+
+Greedy with n = 1 (the default) makes pass@1 = exact_match. Prompts go in fixed-size
+batches (the last one padded with repeats of its first prompt, whose results are dropped), so
+one program serves every batch. Prompt i samples with key fold_in(key(eval.seed), i): results
+do not depend on eval.batch_size, and every evaluation of a run draws the same keys, so
+differences between evaluations are the policy's. Evaluation measures task accuracy, where
+stopping at EOS is part of the answer: `rollout.ignore_eos`, a throughput setting, does not
+apply here.
+
+`Evaluator(run, cfg)` builds the prompts and the sampler once (periodic evaluation compiles
+once) and evaluates the policy in `run.state` at each call; `evaluate(run, cfg)` is one call.
+`append_eval` adds {"step": s, **metrics} to <run_dir>/eval.jsonl, the record of every
+evaluation of a run (training's and `jaxrl eval`'s).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
 from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
-from jaxrl.rl import RewardInputs
-from jaxrl.rollout import Sampler, SamplingParams
+from jaxrl.rollout import Rollout, Sampler, SamplerConfig
+from jaxrl.sharding import AxisRules
+from jaxrl.train.experiment import EvalSection
+from jaxrl.train.phases import reward_inputs
 
 if TYPE_CHECKING:
     from jaxrl.train.run import Run
 
-__all__ = ["evaluate"]
+__all__ = ["EVAL_FILE", "Evaluator", "append_eval", "evaluate", "pass_at_k"]
+
+EVAL_FILE = "eval.jsonl"
 
 
-def evaluate(run: Run, num_prompts: int, batch_size: int, *, seed: int) -> dict[str, float]:
-    """Greedy mean reward and exact match of `run`'s policy on `num_prompts` held-out prompts
-    (fewer when the task holds out fewer)."""
-    cfg = run.cfg
-    rows = run.task.eval_rows(num_prompts, seed)
-    prompts = PromptSource(rows, prompt_column="prompt", field_columns=run.task.field_columns,
-                           chat_template=cfg.data.chat_template,
-                           max_prompt_len=cfg.data.max_prompt_len,
-                           batch_size=1, seed=seed).build(run.tokenizer)
-    ids_NxP, mask_NxP, rows_N = prompts.ids_NxP, prompts.mask_NxP, prompts.rows_N
-    n = len(ids_NxP)
-    rewards = run.task.reward_set(run.tokenizer, rows)
-    max_total = sum(r.weight for r in rewards.rewards)
-    # Evaluation measures task accuracy, where stopping (at EOS) is part of the answer:
-    # rollout.ignore_eos, a training-throughput setting, does not apply here.
-    config = dataclasses.replace(
-        run.sampler.config, num_generations=1, sampling=SamplingParams(temperature=0.0),
-        stop_token_ids=stop_token_ids(run.tokenizer, run.model_config, cfg.rollout.stop_token_ids))
-    graphdef, params = run.policy()
-    sampler = Sampler(graphdef, config, mesh=run.mesh, rules=run.layout.rollout_rules)
-    score = jax.jit(rewards.score)
-    batch_size = min(batch_size, n)
-    totals = []
-    for start in range(0, n, batch_size):
-        take_B = np.arange(start, start + batch_size)
-        take_B = np.where(take_B < n, take_B, start)  # pad the last batch with its first row
-        fields = {c: [prompts.fields[c][i] for i in take_B] for c in run.task.field_columns}
-        prompts_B, fields_B, rows_B = run.place_rows(
-            ids_NxP[take_B], mask_NxP[take_B], rows_N[take_B],
-            run.task.device_fields(run.tokenizer, fields))
-        rollout = sampler.generate(params, prompts_B, jax.random.key(seed))
-        inputs = RewardInputs(rollout.prompt_ids_BxP, rollout.prompt_mask_BxP,
-                              rollout.completion_ids_BxC, rollout.completion_mask_BxC,
-                              fields_B, rows_B)
-        total_B, _ = score(inputs)
-        totals.append(np.asarray(total_B)[:min(batch_size, n - start)])
-    total_N = np.concatenate(totals)
-    return {"eval/reward_mean": float(total_N.mean()),
-            "eval/exact_match": float(np.mean(total_N >= max_total - 1e-6)),
-            "eval/num_prompts": float(n)}
+def pass_at_k(c_N: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Per prompt, 1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn
+    without replacement, hold a solved one (c solved), as 1 - Π_{i=n-c+1..n} (1 - k/i)."""
+    c_N = np.asarray(c_N)
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs k in [1, n={n}], got k={k}")
+    if c_N.size and not (c_N.min() >= 0 and c_N.max() <= n):
+        raise ValueError(f"solved counts must lie in [0, n={n}], got {c_N.min()}..{c_N.max()}")
+    i_I = np.arange(1, n + 1)
+    factors_NxI = np.where(i_I > n - c_N[:, None], 1.0 - k / i_I, 1.0)
+    # With fewer than k unsolved samples every k-subset holds a solved one (some factor
+    # would be <= 0 there).
+    return np.where(n - c_N < k, 1.0, 1.0 - np.prod(factors_NxI, axis=1))
+
+
+@functools.lru_cache(maxsize=4)
+def _sampler(graphdef: nnx.GraphDef, config: SamplerConfig, mesh: Mesh,
+             rules: AxisRules) -> Sampler:
+    # A Sampler compiles once per prompt shape: the evaluations of a run (every N steps, at
+    # the end) share one instead of compiling the decode loop each time.
+    return Sampler(graphdef, config, mesh=mesh, rules=rules)
+
+
+@jax.jit
+def _prompt_keys(key: jax.Array, index_B: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, index_B)
+
+
+class Evaluator:
+    """Held-out prompts and a sampler for `run`'s policy; each call evaluates `run.state`."""
+
+    def __init__(self, run: Run, cfg: EvalSection):
+        if cfg.num_prompts < 1:
+            raise ValueError(f"eval.num_prompts must be >= 1 to evaluate, got {cfg.num_prompts}")
+        if run.task.eval_rows is None:
+            raise ValueError(f"data.task={run.task.name} has no held-out prompts to evaluate on")
+        self.run, self.cfg = run, cfg
+        rows = run.task.eval_rows(cfg.num_prompts, cfg.seed)
+        data = run.cfg.data
+        self.prompts = PromptSource(rows, prompt_column="prompt",
+                                    field_columns=run.task.field_columns,
+                                    chat_template=data.chat_template,
+                                    max_prompt_len=data.max_prompt_len,
+                                    batch_size=1, seed=cfg.seed).build(run.tokenizer)
+        rewards = run.task.reward_set(run.tokenizer, rows)
+        self.max_total = sum(r.weight for r in rewards.rewards)
+        n = cfg.num_samples
+        config = dataclasses.replace(
+            run.sampler.config, num_generations=n, sampling=cfg.sampling_params(),
+            stop_token_ids=stop_token_ids(run.tokenizer, run.model_config,
+                                          run.cfg.rollout.stop_token_ids))
+        graphdef, _ = run.policy()
+        self.sampler = _sampler(graphdef, config, run.mesh, run.layout.rollout_rules)
+
+        def score(rollout: Rollout, fields_B: dict[str, jax.Array], rows_B: jax.Array):
+            return rewards.score(reward_inputs(rollout, fields_B, rows_B, n))[0]
+
+        self._score = jax.jit(score)
+
+    @property
+    def num_prompts(self) -> int:
+        """N: the held-out prompts kept (over-long ones are dropped)."""
+        return len(self.prompts.ids_NxP)
+
+    def __call__(self) -> dict[str, float]:
+        """The metrics of the module docstring for the policy now in `run.state`."""
+        run, n, num = self.run, self.cfg.num_samples, self.num_prompts
+        ids_NxP, mask_NxP, rows_N = self.prompts.ids_NxP, self.prompts.mask_NxP, self.prompts.rows_N
+        _, params = run.policy()
+        key = jax.random.key(self.cfg.seed)
+        batch = min(self.cfg.batch_size, num)
+        totals = []
+        for start in range(0, num, batch):
+            take_B = np.arange(start, start + batch)
+            take_B = np.where(take_B < num, take_B, start)  # pad with the batch's first row
+            fields = {c: [self.prompts.fields[c][i] for i in take_B]
+                      for c in run.task.field_columns}
+            prompts_B, fields_B, rows_B = run.place_rows(
+                ids_NxP[take_B], mask_NxP[take_B], rows_N[take_B],
+                run.task.device_fields(run.tokenizer, fields))
+            rollout = self.sampler.generate(params, prompts_B, _prompt_keys(key, take_B))
+            total_BxS = np.asarray(self._score(rollout, fields_B, rows_B)).reshape(batch, n)
+            totals.append(total_BxS[:min(batch, num - start)])
+        total_NxS = np.concatenate(totals)
+        c_N = np.sum(total_NxS >= self.max_total - 1e-6, axis=1)
+        return {"eval/reward_mean": float(total_NxS.mean()),
+                "eval/exact_match": float(c_N.sum() / total_NxS.size),
+                **{f"eval/pass@{k}": float(pass_at_k(c_N, n, k).mean()) for k in self.cfg.k},
+                "eval/num_prompts": float(num),
+                "eval/num_samples": float(n)}
+
+
+def evaluate(run: Run, cfg: EvalSection) -> dict[str, float]:
+    """The evaluation metrics (module docstring) of the policy now in `run.state`."""
+    return Evaluator(run, cfg)()
+
+
+def append_eval(run_dir: Path, step: int | None, metrics: dict[str, float]) -> Path:
+    """Appends {"step": step, **metrics} as one line to <run_dir>/eval.jsonl (step: training
+    steps behind the policy, None when unknown)."""
+    path = Path(run_dir) / EVAL_FILE
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    return path

@@ -6,7 +6,8 @@
     algo      what one RL step computes (`StepConfig`: advantages, loss, updates, fused/split)
     optim     AdamW, schedule, clipping (`OptimConfig`)
     data      the task (prompts + verifier rewards) and how prompts are batched
-    train     run directory, steps, seed, the final evaluation
+    train     run directory, steps, seed, saving
+    eval      held-out evaluation: prompts, samples per prompt, pass@k, how often
     log       TensorBoard, the reward plot, progress lines
     perf      peak FLOP/s and memory limit overrides, FLOP counting on/off
 
@@ -20,7 +21,8 @@ import dataclasses
 import typing
 
 from jaxrl.config import Family, ModelSection, RolloutSection, ShardingSection
-from jaxrl.data.tasks.registry import SYNTHETIC_TASKS, TaskName
+from jaxrl.data.tasks.config import TaskConfig
+from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.optimizer import OptimConfig
 from jaxrl.train.phases import StepConfig
 
@@ -68,55 +70,94 @@ class TrainModelSection(ModelSection):
 
 
 @dataclasses.dataclass(frozen=True)
-class DataSection:
-    """Which task (prompt rendering + verifier rewards) and where its prompts come from."""
+class DataSection(TaskConfig):
+    """`data`: the task's keys (`TaskConfig`: which task, its rows, rewards and held-out rows)
+    and how its prompts are tokenized, batched and chosen each step."""
 
-    task: TaskName = "addition"
-    source: str | None = None  # a .jsonl/.json/.parquet file; null: the task makes its own
-    prompt_column: str = "prompt"  # gsm8k: the question column
-    answer_column: str = "answer"
     chat_template: bool = True  # render prompts with the tokenizer's template if it has one
     max_prompt_len: int = 256  # longer prompts are dropped (and counted), never truncated
     batch_size: int = 32  # prompts per step (x rollout.num_generations samples)
-    num_digits: int = 2  # addition: operand digits
-    num_prompts: int = 20_000  # synthetic tasks: prompts generated for training
-    format_weight: float = 0.0  # gsm8k: weight of the \boxed{} format reward (0: off)
+    curriculum: typing.Literal["none", "pass_rate", "ordered"] = "none"  # jaxrl.data.curriculum
 
     def __post_init__(self):
-        for name in ("max_prompt_len", "batch_size", "num_prompts"):
+        super().__post_init__()
+        for name in ("max_prompt_len", "batch_size"):
             if getattr(self, name) < 1:
                 _fail("data", self, name, ">= 1")
-        if not 1 <= self.num_digits <= 18:
-            _fail("data", self, "num_digits", "in [1, 18]")
-        if self.task in SYNTHETIC_TASKS and self.source is not None:
-            raise ValueError(f"data.source must be null for data.task={self.task} (it makes its "
-                             f"own prompts), got {self.source!r}; set data.task for a file")
-        if self.task not in SYNTHETIC_TASKS and not self.source:
-            raise ValueError(f"data.source must name a .jsonl/.json/.parquet file of questions "
-                             f"and answers for data.task={self.task}, got {self.source!r}")
+        if self.curriculum == "ordered" and self.difficulty_column is None:
+            raise ValueError("data.curriculum=ordered goes from easy to hard: set "
+                             "data.difficulty_column to a numeric column of the dataset")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
-    """`train`: where the run goes, how long, the seed, the final evaluation, saving."""
+    """`train`: where the run goes, how long, the seed, saving."""
 
     run_dir: str | None = None  # null: runs/<config name>-<date-time>
     max_steps: int = 100
     seed: int = 0
-    eval_prompts: int = 1000  # fresh prompts for the greedy evaluation at the end (0: none)
-    eval_batch_size: int = 250
     target_reward: float | None = None  # report when the 20-step mean reward first reaches it
     save_final: bool = True  # save the trained policy (HF format) to <run_dir>/final_model
+    # <run_dir>/checkpoints (orbax, asynchronous): every N steps and at the end; 0: none (a run
+    # without checkpoints cannot resume). `jaxrl train` on a run dir that has some resumes.
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3  # the newest N are kept
+    # Stop when this many steps in a row skipped an update for a non-finite loss or gradient.
+    max_skipped_in_a_row: int = 5
 
     def __post_init__(self):
         if self.max_steps < 1:
             _fail("train", self, "max_steps", ">= 1")
         if self.seed < 0:
             _fail("train", self, "seed", ">= 0")
-        if self.eval_prompts < 0:
-            _fail("train", self, "eval_prompts", ">= 0")
-        if self.eval_batch_size < 1:
-            _fail("train", self, "eval_batch_size", ">= 1")
+        if self.checkpoint_every < 0:
+            _fail("train", self, "checkpoint_every", ">= 0 (0: no checkpoints)")
+        for name in ("keep_checkpoints", "max_skipped_in_a_row"):
+            if getattr(self, name) < 1:
+                _fail("train", self, name, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """`eval`: held-out prompts, n samples each, scored by the task's rewards (evaluate.py).
+
+    Training evaluates at the end (and every `every` steps); `jaxrl eval` on demand.
+    """
+
+    num_prompts: int = 1000  # held-out prompts (the task's eval rows); 0: no evaluation
+    batch_size: int = 250  # prompts per sampler call (x num_samples completions)
+    num_samples: int = 1  # completions per prompt (n of pass@k)
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    k: list[int] = dataclasses.field(default_factory=lambda: [1])  # eval/pass@k for each
+    every: int = 0  # training evaluates every N steps too; 0: only at the end
+    seed: int = 0  # which held-out prompts, and the sampling keys (the same at every eval)
+
+    def __post_init__(self):
+        if self.num_prompts < 0:
+            _fail("eval", self, "num_prompts", ">= 0 (0: no evaluation)")
+        for name in ("batch_size", "num_samples"):
+            if getattr(self, name) < 1:
+                _fail("eval", self, name, ">= 1")
+        for name in ("every", "seed"):
+            if getattr(self, name) < 0:
+                _fail("eval", self, name, ">= 0")
+        try:
+            self.sampling_params()
+        except ValueError as e:
+            raise ValueError(f"eval.{e}") from None
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.num_samples={self.num_samples} needs eval.temperature > 0, "
+                             f"got 0 (greedy samples of a prompt would all be identical)")
+        if not self.k or len(set(self.k)) != len(self.k):
+            _fail("eval", self, "k", "a non-empty list of distinct sample counts")
+        if not all(1 <= k <= self.num_samples for k in self.k):
+            _fail("eval", self, "k", f"a list of values in [1, eval.num_samples="
+                                     f"{self.num_samples}]")
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +204,7 @@ class ExperimentConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
     perf: PerfSection = dataclasses.field(default_factory=PerfSection)
 
