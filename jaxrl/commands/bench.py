@@ -33,13 +33,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.config import ConfigError
+from jaxrl.config import ConfigError, RunDirError
 from jaxrl.perf import format_bytes, format_flops, memory_bandwidth, utilization
 from jaxrl.train.experiment import ExperimentConfig
-from jaxrl.train.loop import prepare_run_dir
 from jaxrl.train.metrics_log import MetricsLog, to_record
 from jaxrl.train.preflight import Preflight, preflight
 from jaxrl.train.run import Run, build_run
+from jaxrl.train.run_dir import prepare_run_dir
+from jaxrl.train.step import SIGNAL_KEY, SUCCESS_KEY
 
 BENCH_FILE = "bench.json"
 PROFILE_DIR = "profile"
@@ -67,13 +68,18 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     # stamps cost no overlap here (jaxrl.train.experiment.PerfSection.phase_times).
     cfg = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, phase_times=True))
     name = f"bench-{Path(config_path).stem if config_path else 'run'}"
-    run_dir, created = prepare_run_dir(cfg, name)
+    run_dir, created, resume = prepare_run_dir(cfg, name)
+    if resume:
+        raise RunDirError(f"train.run_dir {str(run_dir)!r} holds a run with checkpoints; bench "
+                          f"needs a new train.run_dir")
     console.print(f"[bold]run dir[/]: {run_dir}")
     key = jax.random.key(cfg.train.seed)
     try:
         run = build_run(cfg, run_dir, console)
-        first = run.place(next(run.batches))
-        pre = preflight(run, (*first, jax.random.fold_in(key, 0)), console, refresh_peak=True)
+        batch = next(run.batches)
+        first = (batch, run.place(batch))
+        pre = preflight(run, (*first[1], jax.random.fold_in(key, 0)), console,
+                        refresh_peak=True)
     except BaseException:
         if created:  # nothing was measured: leave nothing behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -88,11 +94,13 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
             if i == warmup and profile_dir is not None:
                 jax.profiler.start_trace(str(profile_dir))
                 tracing = True
-            placed = first if i == 0 else run.place(next(run.batches))
+            batch, placed = first if i == 0 else ((b := next(run.batches)), run.place(b))
             start = time.perf_counter()
             run.state, metrics = run.step(run.state, *placed, jax.random.fold_in(key, i),
                                           run.ref_params)
             host = jax.device_get(metrics)
+            run.batches.observe(i, batch.positions_B, host.pop(SUCCESS_KEY),
+                                host.pop(SIGNAL_KEY))
             step_s = time.perf_counter() - start
             host["time/step_s"] = step_s
             host["perf/tokens_per_s"] = float(host["completion/len_mean"]) * run.rows / step_s

@@ -1,13 +1,28 @@
-"""The training loop: build a run from its config, step it, log it, evaluate it.
+"""The training loop: build a run from its config, step it, log it, checkpoint it, evaluate it.
 
     run = build_run(cfg, run_dir, console)   mesh, tokenizer, policy, task, prompts, step
-    for step in range(max_steps):
+    restore the newest checkpoint            when the run dir has one (`run_dir.py`)
+    for step in range(start, max_steps):
         dispatch step N                  (returns at once: JAX runs it asynchronously)
-        fetch step N-1's metrics         the device already works on N while the host logs
-    save the final policy, evaluate greedily on held-out prompts, plot, print the summary
+        fetch step N-1's metrics         the device already works on N while the host logs;
+                                         the curriculum observes each prompt's success
+        every train.checkpoint_every steps, on SIGTERM and at the end: fetch step N's
+        metrics and save a checkpoint (asynchronous: the next step starts at once)
+        every eval.every steps: evaluate
+    save the final policy, evaluate on held-out prompts, plot, print the summary
 
 The host never waits on the device inside the loop except to fetch metrics one step late
 (nanodo's pattern), so host work (next batch, logging) overlaps device work.
+
+Resuming is exact: step N's prompts come from the restored iterator, its key is
+fold_in(key, N) of the restored base key, the curriculum sees step j's results only when
+drawing step j + 2 (whenever they were fetched), and the train state comes back bit for bit;
+a resumed run's metrics equal an uninterrupted run's (timings aside).
+
+Faults: an update whose loss or gradient is not finite is skipped in the program
+(`train_on`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
+`NonFiniteError` (its metrics written, no checkpoint of the diverged state). SIGTERM
+(`preemption.py`) ends the run after the step in flight with a checkpoint, exit status 0.
 
 Before step 0, `preflight` compiles the step ahead of time, stops with a clear error if it
 will not fit in device memory, and counts its FLOPs. Per step:
@@ -27,10 +42,8 @@ TARGET_WINDOW steps first reached it.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -38,12 +51,12 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxrl.config import RunDirError, to_yaml
+from jaxrl.config import RunDirError
+from jaxrl.train.checkpoint import Checkpoints, restore_key
 from jaxrl.train.clock import step_seconds
-from jaxrl.train.evaluate import evaluate
+from jaxrl.train.evaluate import Evaluator, append_eval
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import (
-    METRICS_FILE,
     PLOT_FILE,
     MetricsLog,
     moving_average,
@@ -51,82 +64,65 @@ from jaxrl.train.metrics_log import (
     summary_table,
     to_record,
 )
+from jaxrl.train.preemption import StopRequest
 from jaxrl.train.preflight import Preflight, preflight
 from jaxrl.train.run import Run, build_run
+from jaxrl.train.run_dir import prepare_run_dir
+from jaxrl.train.step import SIGNAL_KEY, SUCCESS_KEY
 
-__all__ = ["RunDirError", "train"]
+__all__ = ["NonFiniteError", "RunDirError", "train"]
 
 TARGET_WINDOW = 20  # steps averaged when checking train.target_reward
 FINAL_MODEL_DIR = "final_model"
 
 
-def prepare_run_dir(cfg: ExperimentConfig, name: str) -> tuple[Path, bool]:
-    """(the run directory, whether this call created it), refusing one that holds a run.
-
-    An explicit `train.run_dir` may exist (empty, or left by a run that failed before its
-    first step); a default one is `runs/<name>-<date>-<time>`, with a suffix when two runs
-    start in the same second.
-    """
-    if cfg.train.run_dir:
-        run_dir = Path(cfg.train.run_dir)
-        if (run_dir / METRICS_FILE).exists():
-            raise RunDirError(f"train.run_dir {str(run_dir)!r} already holds a run "
-                              f"({METRICS_FILE}); choose a new train.run_dir")
-        created = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        stem = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        for suffix in ("", *(f"-{i}" for i in range(1, 1000))):
-            run_dir = Path(stem + suffix)
-            try:
-                run_dir.mkdir(parents=True)
-                break
-            except FileExistsError:
-                continue
-        created = True
-    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    return run_dir, created
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient: the run stopped."""
 
 
 def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict[str, Any]:
-    """Runs the experiment `cfg`; returns the summary (also printed as a table).
+    """Runs (or resumes) the experiment `cfg`; returns the summary (also printed as a table).
 
     A failure while building (bad data, a model that does not fit the layout) removes the run
     directory again if this call created it; metrics already fetched are never lost.
     """
     start = time.perf_counter()
-    run_dir, created = prepare_run_dir(cfg, name)
+    run_dir, created, resume = prepare_run_dir(cfg, name)
     console.print(f"[bold]run dir[/]: {run_dir}")
+    checkpoints = Checkpoints(run_dir, keep=cfg.train.keep_checkpoints)
     try:
-        run = build_run(cfg, run_dir, console)
-    except BaseException:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    key = jax.random.key(cfg.train.seed)
-    first = run.place(next(run.batches))
-    try:
-        pre = preflight(run, (*first, jax.random.fold_in(key, 0)), console)
-    except BaseException:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    setup_s = time.perf_counter() - start
-    log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard)
-    try:
-        train_s = _loop(cfg, run, pre, first, key, log, console)
-        summary = _summary(cfg, run, pre, log.records, setup_s, train_s)
-        if cfg.train.save_final:
-            summary["final_model"] = str(run.save_policy(run_dir / FINAL_MODEL_DIR))
-        if cfg.train.eval_prompts and run.task.eval_rows is not None:
-            result = evaluate(run, cfg.train.eval_prompts, cfg.train.eval_batch_size,
-                              seed=cfg.train.seed)
-            summary.update(result)
-            log.write_scalars(cfg.train.max_steps, result)
-            (run_dir / "eval.json").write_text(
-                json.dumps({"step": cfg.train.max_steps, **result}) + "\n", encoding="utf-8")
+        with StopRequest() as stop:
+            try:
+                run = build_run(cfg, run_dir, console, reuse_init=resume)
+                key, start_step = jax.random.key(cfg.train.seed), 0
+                if resume:
+                    key, start_step = _resume(cfg, run, checkpoints, console)
+                batch = next(run.batches)
+                first = (batch, run.place(batch))
+                pre = preflight(run, (*first[1], jax.random.fold_in(key, start_step)), console)
+            except BaseException:
+                if created:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+            setup_s = time.perf_counter() - start
+            log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard,
+                             resume_at=start_step if resume else None)
+            try:
+                train_s, stopped = _loop(cfg, run, pre, first, key, start_step, log,
+                                         checkpoints, stop, console)
+                summary = _summary(cfg, run, pre, log.records, setup_s, train_s)
+                if stopped is not None:
+                    summary["stopped_by"] = stop.signal
+                    summary["checkpoint_step"] = stopped
+                    console.print(f"[bold yellow]{stop.signal}[/]: stopped after step {stopped} "
+                                  f"with a checkpoint; run the same command to resume")
+                else:
+                    _finish(cfg, run, log, summary)
+            finally:
+                log.close()
     finally:
-        log.close()
+        checkpoints.wait()
+        checkpoints.close()
     if cfg.log.plot and log.records:
         summary["plot"] = str(plot_rewards(log.records, run_dir / PLOT_FILE,
                                            title=f"{name}: {run.task.name}",
@@ -135,24 +131,58 @@ def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict
     return summary
 
 
-def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, ...],
-          key: jax.Array, log: MetricsLog, console: Console) -> float:
-    """All steps (`first`: step 0's placed batch); returns the seconds from the first
-    dispatch to the last metrics."""
+def _resume(cfg: ExperimentConfig, run: Run, checkpoints: Checkpoints,
+            console: Console) -> tuple[jax.Array, int]:
+    """Loads the newest readable checkpoint into `run`; (base key, the step to run next)."""
+    restored = checkpoints.restore(run.state)
+    if restored.step >= cfg.train.max_steps:
+        raise RunDirError(f"train.run_dir {str(run.run_dir)!r} is finished: its checkpoint is at "
+                          f"step {restored.step} and train.max_steps={cfg.train.max_steps}; raise "
+                          f"train.max_steps to train further, or choose a new train.run_dir")
+    run.state = restored.state
+    run.batches.restore(restored.data)
+    console.print(f"[bold]resume[/]: from the checkpoint at step {restored.step}")
+    return restore_key(restored.meta), restored.step
+
+
+def _finish(cfg: ExperimentConfig, run: Run, log: MetricsLog, summary: dict[str, Any]) -> None:
+    """After the last step: the final policy in HF format, the final evaluation."""
+    if cfg.train.save_final:
+        summary["final_model"] = str(run.save_policy(run.run_dir / FINAL_MODEL_DIR))
+    if cfg.eval.num_prompts and run.task.eval_rows is not None:
+        result = Evaluator(run, cfg.eval)()
+        summary.update(result)
+        log.write_scalars(cfg.train.max_steps, result)
+        append_eval(run.run_dir, cfg.train.max_steps, result)
+
+
+def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, Any],
+          key: jax.Array, start_step: int, log: MetricsLog, checkpoints: Checkpoints,
+          stop: StopRequest, console: Console) -> tuple[float, int | None]:
+    """Steps `start_step`.. (`first`: the first step's batch, host and placed); returns the
+    seconds from the first dispatch to the last metrics, and the step a stop signal ended
+    the run after (None: it ran to train.max_steps)."""
     state = run.state
+    max_steps, every = cfg.train.max_steps, cfg.train.checkpoint_every
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
         console=console, disable=not console.is_terminal)
-    bar = progress.add_task("train", total=cfg.train.max_steps, status="compiling...")
+    bar = progress.add_task("train", total=max_steps, completed=start_step,
+                            status="compiling...")
     pending: tuple[int, dict[str, jax.Array]] | None = None
+    # Each step's prompt positions (for the curriculum) and data metrics, taken at its draw.
+    drawn: dict[int, tuple[Any, dict[str, float]]] = {}
     last_fetch = start = time.perf_counter()
     last_end: float | None = None
+    evaluator: Evaluator | None = None
 
     def record(step: int, metrics: dict[str, jax.Array]) -> None:
         nonlocal last_fetch, last_end
         host = jax.device_get(metrics)
         now = time.perf_counter()
+        positions_B, data_metrics = drawn.pop(step)
+        run.batches.observe(step, positions_B, host.pop(SUCCESS_KEY), host.pop(SIGNAL_KEY))
         stamps = run.step.clock.pop()
         step_s = step_seconds(stamps, last_end)
         if step_s is None:  # no stamps: the interval between two fetches
@@ -163,6 +193,7 @@ def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, ...
         tokens = float(host["completion/len_mean"]) * run.rows
         host["perf/tokens_per_s"] = tokens / step_s
         host.update(pre.step_metrics(host, step_s, stamps))
+        host.update(data_metrics)
         line = to_record(step, host)
         log.write(line)
         mfu = f"  MFU {line['perf/mfu']:.1%}" if "perf/mfu" in line else ""
@@ -170,25 +201,54 @@ def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, ...
                   f"{line['perf/tokens_per_s']:.0f} tok/s{mfu}")
         progress.update(bar, completed=step + 1, status=status)
         if not console.is_terminal and (step % cfg.log.print_every == 0
-                                        or step == cfg.train.max_steps - 1):
-            console.print(f"step {step + 1}/{cfg.train.max_steps}  {status}  "
-                          f"({now - start:.0f}s)")
+                                        or step == max_steps - 1):
+            console.print(f"step {step + 1}/{max_steps}  {status}  ({now - start:.0f}s)")
+        if line["train/skipped_in_a_row"] >= cfg.train.max_skipped_in_a_row:
+            raise NonFiniteError(
+                f"step {step}: {int(line['train/skipped_in_a_row'])} steps in a row had a "
+                f"non-finite loss or gradient (their updates were skipped; "
+                f"train.max_skipped_in_a_row={cfg.train.max_skipped_in_a_row}); lower optim.lr, "
+                f"keep optim.max_grad_norm on, check the rewards for NaN, or resume from an "
+                f"earlier checkpoint")
 
+    stopped = None
     with progress:
         try:
-            for step in range(cfg.train.max_steps):
-                placed = first if step == 0 else run.place(next(run.batches))
+            for step in range(start_step, max_steps):
+                batch, placed = first if step == start_step else (
+                    (b := next(run.batches)), run.place(b))
+                drawn[step] = (batch.positions_B, run.batches.metrics())
                 state, metrics = run.step(state, *placed, jax.random.fold_in(key, step),
                                           run.ref_params)
                 if pending is not None:
                     record(*pending)
                 pending = (step, metrics)
+                done = step + 1
+                save = bool(stop.signal) or (every > 0 and (done % every == 0
+                                                            or done == max_steps))
+                evaluate_now = (cfg.eval.every > 0 and done % cfg.eval.every == 0
+                                and done < max_steps and cfg.eval.num_prompts > 0
+                                and run.task.eval_rows is not None)
+                if save or evaluate_now:
+                    record(*pending)  # a checkpoint holds the curriculum's view of this step
+                    pending = None
+                if save:
+                    checkpoints.save(done, state, run.batches.state(), key)
+                if evaluate_now:
+                    run.state = state
+                    evaluator = evaluator or Evaluator(run, cfg.eval)
+                    result = evaluator()
+                    log.write_scalars(done, result)
+                    append_eval(run.run_dir, done, result)
+                if stop.signal:
+                    stopped = done
+                    break
         finally:
             # Step N-1's metrics are computed even when step N failed or was interrupted.
             if pending is not None and not _is_recorded(log, pending[0]):
                 record(*pending)
     run.state = state
-    return time.perf_counter() - start
+    return time.perf_counter() - start, stopped
 
 
 def _is_recorded(log: MetricsLog, step: int) -> bool:

@@ -1,7 +1,8 @@
 """Where a run's metrics go: `metrics.jsonl`, TensorBoard, the reward plot, the summary table.
 
 `metrics.jsonl` holds one JSON object per step, written and flushed as soon as the step's
-metrics reach the host, so a crash loses at most the steps still in flight. Keys are the
+metrics reach the host, so a crash loses at most the steps still in flight. A resumed run
+keeps the records before its checkpoint's step and writes the rest again. Keys are the
 stable, slash-grouped names of DESIGN.md (`step`, `reward/mean`, `loss/policy`, ...); values
 are plain floats (ints for `step`). TensorBoard (tensorboardX) gets the same scalars.
 """
@@ -34,17 +35,28 @@ def to_record(step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
 class MetricsLog:
     """Appends step records to `<run_dir>/metrics.jsonl` and (optionally) TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True,
+                 resume_at: int | None = None):
+        """`resume_at`: the run resumes at this step; the records of the steps before it are
+        kept (a torn last line from a killed process and later steps are dropped)."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
-        # "x": never append to (and interleave with) another run's metrics.
-        self._file = self.path.open("x", encoding="utf-8")
+        self.records: list[dict[str, float | int]] = []
+        if resume_at is None:
+            # "x": never append to (and interleave with) another run's metrics.
+            self._file = self.path.open("x", encoding="utf-8")
+        else:
+            self.records = [r for r in _read_whole_lines(self.path) if r["step"] < resume_at]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records),
+                           encoding="utf-8")
+            tmp.replace(self.path)  # atomic: a crash here leaves the old file or the new one
+            self._file = self.path.open("a", encoding="utf-8")
         self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self.records: list[dict[str, float | int]] = []
         self._closed = False
 
     def write(self, record: dict[str, float | int]) -> None:
@@ -83,6 +95,19 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """The records of a metrics.jsonl file, in order."""
     with Path(path).open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_whole_lines(path: Path) -> list[dict[str, float]]:
+    """The records of `path` that are complete JSON lines (a missing file has none)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line torn by a kill: it and anything after it are not trusted
+    return records
 
 
 def moving_average(values: Sequence[float], window: int) -> np.ndarray:

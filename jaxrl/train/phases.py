@@ -270,7 +270,8 @@ def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
 
     Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
     (and tis/weight_mean), grad_norm (global norm before clipping) and lr (when a schedule is
-    given).
+    given); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
+    is not finite is not applied.
     """
     rows = batch["loss_mask_BxC"].shape[0]
     minibatch, num_micro = cfg.batch_split(rows)
@@ -320,15 +321,26 @@ def train_on(cfg: StepConfig, ts: TrainState, batch: Batch, *,
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(ts.step), jnp.float32)
         ts.apply_gradients(grads)
-        return nnx.state(ts), metrics
+        # A non-finite loss or gradient skips the update: every parameter, moment and count
+        # keeps its value (an elementwise select, fused into the update by XLA).
+        finite = jnp.isfinite(metrics["grad_norm"])
+        for name, value in metrics.items():
+            if name.startswith("loss/"):
+                finite &= jnp.isfinite(value)
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                 nnx.state(ts), state)
+        return new_state, (metrics, ~finite)
 
     def iteration(state, _):
         minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches), batch)
         return jax.lax.scan(update, state, minibatches)
 
-    state, metrics = jax.lax.scan(iteration, nnx.state(ts), None, length=cfg.num_iterations)
+    state, (metrics, skipped) = jax.lax.scan(iteration, nnx.state(ts), None,
+                                             length=cfg.num_iterations)
     nnx.update(ts, state)
-    return jax.tree.map(jnp.mean, metrics)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics.update(ts.count_skips(jnp.sum(skipped, dtype=jnp.int32)))
+    return metrics
 
 
 def completion_metrics(rollout: Rollout, stop_token_ids: tuple[int, ...],

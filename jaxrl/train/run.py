@@ -6,7 +6,8 @@
                 a random `model.init` policy is made, saved with the tokenizer in HF format
                 to <run_dir>/init_model and loaded back through the same code
     task        prompt rows, verifier rewards, the fields they read
-    batches     tokenized, left-padded prompt batches (drops over-long prompts, counted)
+    batches     tokenized, left-padded prompt batches (drops over-long prompts, counted),
+                which prompts each step takes chosen by `data.curriculum`
     step        the fused/split RL step program(s) over a donated train state
 
 Nothing here runs a step; a bad value (a missing column, a prompt set that does not fit)
@@ -26,6 +27,7 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError
+from jaxrl.data.curriculum import make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
@@ -94,14 +96,15 @@ class Run:
         return nnx.split(nnx.merge(self.graphdef, self.state).model)
 
 
-def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
-    """Builds mesh, tokenizer, policy, task, prompt batches and step (module docstring)."""
+def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
+              reuse_init: bool = False) -> Run:
+    """Builds mesh, tokenizer, policy, task, prompt batches and step (module docstring).
+
+    `reuse_init`: the run directory belongs to this experiment already (a resumed run,
+    `jaxrl eval`): a random policy it saved before is loaded instead of made again.
+    """
     try:
-        task = make_task(cfg.data.task, source=cfg.data.source,
-                         prompt_column=cfg.data.prompt_column,
-                         answer_column=cfg.data.answer_column, num_digits=cfg.data.num_digits,
-                         num_prompts=cfg.data.num_prompts, format_weight=cfg.data.format_weight,
-                         seed=cfg.train.seed)
+        task = make_task(cfg.data, seed=cfg.train.seed)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
     layout = load_layout(cfg.sharding.layout)
@@ -111,8 +114,11 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
         if task.tokenizer is None:
             raise ConfigError(f"data.task={task.name} brings no tokenizer or model: set "
                               f"model.path to a local HF model directory")
-        model_path = _init_model(cfg, task.tokenizer(), run_dir / INIT_MODEL_DIR, mesh, layout)
-        console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to {model_path}")
+        model_path = run_dir / INIT_MODEL_DIR
+        if not (reuse_init and (model_path / "config.json").is_file()):
+            _init_model(cfg, task.tokenizer(), model_path, mesh, layout)
+            console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to "
+                          f"{model_path}")
     tokenizer = load_tokenizer(model_path)
     model = from_pretrained(model_path, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
@@ -130,6 +136,16 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console) -> Run:
             batch_size=cfg.data.batch_size, seed=cfg.train.seed).build(tokenizer)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
+    try:
+        difficulty_N = None
+        if cfg.data.curriculum == "ordered":
+            column = task.train_rows[task.difficulty_column]
+            difficulty_N = np.asarray(column, np.float64)[batches.rows_N]
+        batches.use_sampler(make_prompt_sampler(
+            cfg.data.curriculum, batches.num_prompts, batches.batch_size, batches.seed,
+            difficulty_N=difficulty_N, group_size=cfg.rollout.num_generations))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"data.curriculum={cfg.data.curriculum}: {e}") from None
     stats = batches.stats
     console.print(f"[bold]data[/]: task {task.name}, {stats.num_prompts:,} prompts "
                   f"({stats.num_dropped:,} of {stats.num_rows:,} dropped as longer than "

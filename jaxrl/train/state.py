@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -24,12 +25,19 @@ from jaxrl.sharding import AxisRules, create_sharded, state_shardings
 from jaxrl.train.optimizer import OptimConfig, make_optimizer, weight_decay_mask
 
 
+class SkipCount(nnx.Variable):
+    """A counter of steps with skipped updates (int32 scalar, replicated)."""
+
+
 class TrainState(nnx.Module):
     """The policy and its optimizer; a jitted step takes `nnx.split(train_state)` and donates it."""
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
         self.model = model
         self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        # Kept with the optimizer state (and its checkpoint): steps with a skipped update.
+        self.optimizer.skipped_steps = SkipCount(jnp.zeros((), jnp.int32))
+        self.optimizer.skipped_in_a_row = SkipCount(jnp.zeros((), jnp.int32))
 
     @property
     def step(self) -> jax.Array:
@@ -39,6 +47,17 @@ class TrainState(nnx.Module):
     def apply_gradients(self, grads: nnx.State) -> None:
         """One optimizer update of the model's Params, in place; `grads` as from `nnx.grad`."""
         self.optimizer.update(self.model, grads)
+
+    def count_skips(self, skipped_updates: jax.Array) -> dict[str, jax.Array]:
+        """Counts a step that skipped `skipped_updates` updates (non-finite loss or gradient);
+        its metrics: this step's skipped updates, steps with any so far, and in a row."""
+        opt = self.optimizer
+        skipped = skipped_updates > 0
+        opt.skipped_steps[...] = opt.skipped_steps[...] + skipped.astype(jnp.int32)
+        opt.skipped_in_a_row[...] = jnp.where(skipped, opt.skipped_in_a_row[...] + 1, 0)
+        return {"train/skipped_updates": skipped_updates,
+                "train/skipped_steps": opt.skipped_steps[...],
+                "train/skipped_in_a_row": opt.skipped_in_a_row[...]}
 
 
 def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimConfig,

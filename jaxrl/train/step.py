@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.rl import RewardInputs, RewardSet
+from jaxrl.rl import RewardInputs, RewardSet, zero_std_groups
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 from jaxrl.train.clock import PhaseClock
@@ -63,9 +63,23 @@ from jaxrl.train.phases import (
     train_on,
 )
 
-__all__ = ["Step", "StepConfig", "build_step"]
+__all__ = ["SIGNAL_KEY", "SUCCESS_KEY", "Step", "StepConfig", "build_step"]
 
 Metrics = dict[str, jax.Array]
+# Not scalar metrics: each prompt's success and learning signal, for the curriculum (the
+# loop pops them).
+SUCCESS_KEY = "per_prompt/success_P"
+SIGNAL_KEY = "per_prompt/signal_P"
+
+
+def prompt_success(rewards: RewardSet, rewards_B: jax.Array, group_size: int) -> jax.Array:
+    """success_P = the fraction of a prompt's G samples that solved it: total reward at its
+    maximum, the sum of the positive reward weights (every reward lies in [0, 1]). Partial
+    credit does not count: a group whose samples all earn the same partial credit gives no
+    learning signal either."""
+    max_total = sum(max(r.weight, 0.0) for r in rewards.rewards)
+    solved_B = rewards_B >= max_total - 1e-6
+    return jnp.mean(solved_B.reshape(-1, group_size), axis=1, dtype=jnp.float32)
 
 
 class Step:
@@ -163,6 +177,9 @@ class Step:
                 rollout = rollout.replace(completion_ids_BxC=rollout.completion_ids_BxC + start)
             ts = nnx.merge(self.graphdef, state)
             rewards_B, metrics = score(self.rewards, inputs, host_values)
+            metrics[SUCCESS_KEY] = prompt_success(self.rewards, rewards_B, g)
+            # 1 where the group's rewards differ: it has a group-relative advantage.
+            metrics[SIGNAL_KEY] = 1.0 - zero_std_groups(rewards_B, g)[::g].astype(jnp.float32)
             rewards_B, shaping_metrics = shape_rewards(self.cfg, rewards_B,
                                                        rollout.completion_mask_BxC)
             metrics.update(shaping_metrics)

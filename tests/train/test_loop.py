@@ -1,7 +1,6 @@
 """The training loop in process on 8 devices: run directory contents, metrics one step late,
 one compilation per program, determinism, the summary and the greedy evaluation."""
 
-import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -15,7 +14,6 @@ from jaxrl.config import load_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import from_pretrained
 from jaxrl.train import loop
-from jaxrl.train.evaluate import evaluate
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import moving_average, read_metrics
 from tests.test_shipped_configs import ROOT
@@ -24,7 +22,7 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 # The quickstart shrunk to a few seconds on the 8-device test mesh.
 SMALL = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
          "rollout.num_generations=4", "algo.num_minibatches=2", "train.max_steps=3",
-         "train.eval_prompts=20", "train.eval_batch_size=8", "log.print_every=1",
+         "eval.num_prompts=20", "eval.batch_size=8", "log.print_every=1",
          "train.target_reward=0.0", "perf.phase_times=true"]
 # Not compared between runs: timings, and FLOPs (runs that need none skip counting them).
 TIMING = ("time/step_s", "time/elapsed_s", "time/generate_s", "time/train_s",
@@ -69,8 +67,10 @@ def test_run_dir_holds_config_metrics_tensorboard_plot_eval_and_the_init_model(f
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", header[16:24])
     assert width > 100 and height > 100
-    evaluation = json.loads(open(f"{run_dir}/eval.json").read())
-    assert evaluation["eval/num_prompts"] == 20 and 0 <= evaluation["eval/exact_match"] <= 1
+    [evaluation] = [json.loads(line) for line in open(f"{run_dir}/eval.jsonl")]
+    assert evaluation["step"] == cfg.train.max_steps and evaluation["eval/num_prompts"] == 20
+    assert 0 <= evaluation["eval/exact_match"] <= 1
+    assert evaluation["eval/pass@1"] == evaluation["eval/exact_match"]  # greedy, one sample
     assert evaluation["eval/reward_mean"] == summary["eval/reward_mean"]
     # The random policy and the trained one were saved in HF format and load back, with
     # their tokenizer; three steps of 2 updates each moved every weight.
@@ -84,16 +84,6 @@ def test_run_dir_holds_config_metrics_tensorboard_plot_eval_and_the_init_model(f
                          nnx.to_pure_dict(nnx.state(initial, nnx.Param)),
                          nnx.to_pure_dict(nnx.state(final, nnx.Param)))
     assert all(jax.tree.leaves(moved))
-
-
-def test_greedy_evaluation_does_not_depend_on_the_batch_size(fused_run, tmp_path):
-    cfg, _ = fused_run
-    run = loop.build_run(dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, run_dir=str(tmp_path))), tmp_path, _console())
-    # 20 held-out prompts in batches of 8 (the last one padded) or in one batch of 20.
-    by_8 = evaluate(run, 20, 8, seed=0)
-    by_20 = evaluate(run, 20, 20, seed=0)
-    assert by_8 == by_20 and by_8["eval/num_prompts"] == 20
 
 
 def test_fused_step_compiles_once_and_the_summary_adds_up(fused_run):
@@ -159,7 +149,7 @@ def _metrics_without_timing(summary):
 def test_another_seed_gives_other_metrics_and_a_kl_term_runs(fused_run, tmp_path):
     _, first = fused_run
     # beta > 0 also exercises the frozen reference copy of the policy.
-    other = loop.train(_config(tmp_path, "train.seed=1", "train.eval_prompts=0",
+    other = loop.train(_config(tmp_path, "train.seed=1", "eval.num_prompts=0",
                                "algo.loss.beta=0.1", "train.save_final=false", NO_FLOPS),
                        _console())
     assert _metrics_without_timing(other) != _metrics_without_timing(first)
@@ -199,7 +189,7 @@ def test_metrics_already_computed_survive_a_failing_step(tmp_path, monkeypatch):
         return run
 
     monkeypatch.setattr(loop, "build_run", failing_build_run)
-    cfg = _config(tmp_path, "train.eval_prompts=0", "log.plot=false", NO_FLOPS)
+    cfg = _config(tmp_path, "eval.num_prompts=0", "log.plot=false", NO_FLOPS)
     with pytest.raises(RuntimeError, match="simulated failure"):
         loop.train(cfg, _console())
     # Step 1 was dispatched before step 2 failed: its metrics are on disk too.
@@ -225,17 +215,24 @@ def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(fused_r
 
     monkeypatch.setattr(loop, "build_run", spying_build_run)
     monkeypatch.setattr(loop.jax, "device_get", fetch)
-    again = loop.train(_config(tmp_path, "train.eval_prompts=0", "log.plot=false",
+    again = loop.train(_config(tmp_path, "eval.num_prompts=0", "log.plot=false",
                                "train.save_final=false", NO_FLOPS), _console())
     assert events == ["dispatch", "dispatch", "fetch", "dispatch", "fetch", "fetch"]
     # The same config and seed as the fused run: the same metrics, step for step.
     assert _metrics_without_timing(again) == _metrics_without_timing(fused_run[1])
 
 
-def test_an_existing_run_is_not_overwritten(fused_run):
+def test_an_existing_run_is_not_overwritten(fused_run, tmp_path):
     cfg, _ = fused_run
-    with pytest.raises(loop.RunDirError, match="already holds a run"):
+    # Its final checkpoint is at train.max_steps: there is nothing left to resume.
+    with pytest.raises(loop.RunDirError, match="is finished: its checkpoint is at step 3"):
         loop.train(cfg, _console())
+    # Metrics without a checkpoint: nothing to resume from, and never overwritten.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(loop.RunDirError, match="already holds a run .* no checkpoint"):
+        loop.train(_config(tmp_path), _console())
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
 def test_target_is_the_first_full_window_whose_mean_reaches_it():
@@ -257,7 +254,7 @@ def test_moving_average_by_hand():
 
 def test_ignore_eos_fills_every_completion_to_max_new_tokens(tmp_path):
     summary = loop.train(_config(tmp_path, "rollout.ignore_eos=true", "rollout.max_new_tokens=6",
-                                 "train.max_steps=2", "train.eval_prompts=0", "log.plot=false",
+                                 "train.max_steps=2", "eval.num_prompts=0", "log.plot=false",
                                  "train.save_final=false", "perf.phase_times=null"), _console())
     records = read_metrics(f"{summary['run_dir']}/metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]

@@ -1,0 +1,98 @@
+"""The run directory: a new one for a new run, or the same one again to resume.
+
+    prepare_run_dir(cfg, name) -> (run_dir, created, resume)
+
+- `train.run_dir` unset: a new `runs/<name>-<date>-<time>` (a suffix when two runs start in
+  the same second).
+- `train.run_dir` set and holding complete checkpoints: the run resumes from them. Its saved
+  config.yaml must agree with the new config except for RESUMABLE_KEYS (how long to train, how
+  often to save or evaluate, logging and perf settings): resuming with another learning rate
+  or dataset is a new experiment, so it is refused with the keys that differ.
+- `train.run_dir` set and holding metrics but no checkpoint: refused (nothing to resume from,
+  and a run directory is never overwritten). An empty or missing directory starts a new run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from jaxrl.config import RunDirError, to_yaml
+from jaxrl.train.checkpoint import CHECKPOINT_DIR, Checkpoints
+from jaxrl.train.experiment import ExperimentConfig
+from jaxrl.train.metrics_log import METRICS_FILE
+
+CONFIG_FILE = "config.yaml"
+# Keys a resumed run may change (prefixes end with a dot).
+RESUMABLE_KEYS = ("train.run_dir", "train.max_steps", "train.checkpoint_every",
+                  "train.keep_checkpoints", "train.max_skipped_in_a_row", "train.save_final",
+                  "train.target_reward", "eval.", "log.", "perf.")
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether `run_dir` holds at least one complete checkpoint."""
+    if not (run_dir / CHECKPOINT_DIR).is_dir():
+        return False
+    checkpoints = Checkpoints(run_dir, async_save=False)
+    try:
+        return bool(checkpoints.steps())
+    finally:
+        checkpoints.close()
+
+
+def prepare_run_dir(cfg: ExperimentConfig, name: str) -> tuple[Path, bool, bool]:
+    """(the run directory, whether this call created it, whether the run resumes)."""
+    if cfg.train.run_dir:
+        run_dir = Path(cfg.train.run_dir)
+        if has_checkpoints(run_dir):
+            _check_same_experiment(cfg, run_dir)
+            (run_dir / CONFIG_FILE).write_text(to_yaml(cfg), encoding="utf-8")
+            return run_dir, False, True
+        if (run_dir / METRICS_FILE).exists():
+            raise RunDirError(f"train.run_dir {str(run_dir)!r} already holds a run "
+                              f"({METRICS_FILE}) but no checkpoint to resume from; choose a new "
+                              f"train.run_dir")
+        created = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        stem = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for suffix in ("", *(f"-{i}" for i in range(1, 1000))):
+            run_dir = Path(stem + suffix)
+            try:
+                run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
+        created = True
+    (run_dir / CONFIG_FILE).write_text(to_yaml(cfg), encoding="utf-8")
+    return run_dir, created, False
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def _check_same_experiment(cfg: ExperimentConfig, run_dir: Path) -> None:
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise RunDirError(f"train.run_dir {str(run_dir)!r} has checkpoints but no {CONFIG_FILE}: "
+                          f"it was not written by jaxrl train")
+    saved = _flatten(OmegaConf.to_container(OmegaConf.load(path)))
+    new = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+    changed = [k for k in sorted(set(saved) | set(new))
+               if saved.get(k) != new.get(k) and not any(
+                   k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE_KEYS)]
+    if changed:
+        diff = "; ".join(f"{k}: {saved.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise RunDirError(f"train.run_dir {str(run_dir)!r} holds checkpoints of another "
+                          f"experiment ({diff}); resume with the same config (only "
+                          f"{', '.join(RESUMABLE_KEYS)} may change) or choose a new "
+                          f"train.run_dir")
