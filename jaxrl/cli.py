@@ -24,6 +24,7 @@ from jaxrl.runtime import configure_xla  # noqa: E402
 from jaxrl.sharding.layout import LayoutError  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
+EXIT_TRAINING_FAILED = 1
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
@@ -64,6 +65,38 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.eval import run_eval
+    from jaxrl.train.experiment import ExperimentConfig
+
+    path = args.config or str(shipped_config("quickstart.yaml"))
+    result = run_eval(load_config(ExperimentConfig, path, args.overrides), console,
+                      step=args.step)
+    print(json.dumps(result))
+    return 0
+
+
+def _eval_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step", type=int, default=None,
+                        help="evaluate this checkpoint's step (default: the latest)")
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.export import run_export
+
+    if args.config is None or args.overrides:
+        raise ConfigError(f"export takes one run directory and no overrides: "
+                          f"jaxrl export RUN_DIR --out DIR, got {[args.config, *args.overrides]}")
+    print(json.dumps(run_export(args.config, args.out, console, step=args.step)))
+    return 0
+
+
+def _export_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="the new HF model directory to write")
+    parser.add_argument("--step", type=int, default=None,
+                        help="export this checkpoint's step (default: the latest)")
+
+
 def _bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
@@ -76,8 +109,10 @@ COMMANDS = {
     "generate": (_generate, "sample completions from a model directory for a few prompts"),
     "train": (_train, "run an RL experiment (GRPO family) from a config and overrides"),
     "bench": (_bench, "time the RL step of a config: tokens/s, MFU, HFU, time split, memory"),
+    "eval": (_eval, "evaluate a run's policy on held-out prompts: reward, exact match, pass@k"),
+    "export": (_export, "write a run's checkpoint as a Hugging Face model directory"),
 }
-OPTIONS = {"bench": _bench_options}
+OPTIONS = {"bench": _bench_options, "eval": _eval_options, "export": _export_options}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             MemoryFitError) as e:
         console.print(f"[bold red]error[/]: {e}")
         return EXIT_CONFIG_ERROR
+    except RuntimeError as e:
+        # Imported here: the training loop and orbax are heavy, and most commands need neither.
+        from jaxrl.train.checkpoint import RestoreError
+        from jaxrl.train.loop import NonFiniteError
+
+        if isinstance(e, RestoreError):
+            console.print(f"[bold red]error[/]: {e}")
+            return EXIT_CONFIG_ERROR
+        if isinstance(e, NonFiniteError):
+            console.print(f"[bold red]training stopped[/]: {e}")
+            return EXIT_TRAINING_FAILED
+        raise
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`jaxrl train CONFIG.yaml [dotted.key=value ...]`: run an RL experiment (see jaxrl.train.loop).
 
 Prints the summary as a table and returns it; the run directory holds config.yaml,
-metrics.jsonl, tensorboard/, eval.json and reward.png.
+metrics.jsonl, tensorboard/, eval.jsonl and reward.png.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     jaxrl = Path(sys.executable).parent / "jaxrl"
     result = subprocess.run(
         [str(jaxrl), "train", QUICKSTART, f"train.run_dir={tmp_path}",
-         f"train.max_steps={LEARNING_STEPS}", "train.eval_prompts=100", "log.print_every=25"],
+         f"train.max_steps={LEARNING_STEPS}", "eval.num_prompts=100", "log.print_every=25"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
