@@ -1,11 +1,17 @@
 """Test setup: 8 fake CPU devices (before jax is imported) and tiny model configs."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests (and the `jaxrl` processes some of them start, which inherit the environment)
+# compile the same small programs: XLA's persistent cache compiles each once per machine.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"jaxrl-tests-xla-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 from jaxrl.runtime import configure_xla  # noqa: E402
 

@@ -63,8 +63,10 @@ def test_sigkill_then_resume_gives_the_uninterrupted_metrics(tmp_path):
 
     _, err = _finish(_start(tmp_path / "killed", *steps))
     _finish(reference)
+    # The newest checkpoint whose asynchronous write had finished before the kill (the save of
+    # a later one may have been cut short: it does not count).
     resumed_at = int(err.split("from the checkpoint at step ")[1].split()[0])
-    assert 10 <= resumed_at <= written and resumed_at % 5 == 0
+    assert 5 <= resumed_at <= written and resumed_at % 5 == 0
     want = read_metrics(tmp_path / "reference" / "metrics.jsonl")
     got = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(30))
