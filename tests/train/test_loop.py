@@ -14,6 +14,7 @@ from jaxrl.config import load_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import from_pretrained
 from jaxrl.train import loop
+from jaxrl.train.checkpoint import Checkpoints
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import moving_average, read_metrics
 from tests.test_shipped_configs import ROOT
@@ -45,7 +46,7 @@ def _console():
 @pytest.fixture(scope="module")
 def fused_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fused")
-    cfg = _config(tmp)
+    cfg = _config(tmp, "eval.every=2")
     return cfg, loop.train(cfg, _console(), name="quickstart")
 
 
@@ -67,8 +68,12 @@ def test_run_dir_holds_config_metrics_tensorboard_plot_eval_and_the_init_model(f
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", header[16:24])
     assert width > 100 and height > 100
-    [evaluation] = [json.loads(line) for line in open(f"{run_dir}/eval.jsonl")]
+    # eval.every=2: after step 2 (two steps done) and at the end (three).
+    midway, evaluation = [json.loads(line) for line in open(f"{run_dir}/eval.jsonl")]
+    assert midway["step"] == 2 and midway["eval/num_prompts"] == 20
     assert evaluation["step"] == cfg.train.max_steps and evaluation["eval/num_prompts"] == 20
+    # The final checkpoint (train.checkpoint_every=100 > max_steps: only the one at the end).
+    assert Checkpoints(run_dir).steps() == [cfg.train.max_steps]
     assert 0 <= evaluation["eval/exact_match"] <= 1
     assert evaluation["eval/pass@1"] == evaluation["eval/exact_match"]  # greedy, one sample
     assert evaluation["eval/reward_mean"] == summary["eval/reward_mean"]
