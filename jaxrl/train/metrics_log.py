@@ -56,7 +56,9 @@ class MetricsLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # purge_step: TensorBoard hides the events a killed run wrote at or after the
+            # step it resumes at (they are written again).
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_at)
         self._closed = False
 
     def write(self, record: dict[str, float | int]) -> None:

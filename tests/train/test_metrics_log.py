@@ -132,3 +132,18 @@ def test_a_closed_log_refuses_writes(tmp_path):
 def test_a_metric_called_step_is_refused():
     with pytest.raises(ValueError, match="'step'"):
         to_record(3, {"step": 1.0})
+
+
+def test_a_resumed_log_keeps_the_steps_before_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    lines = [json.dumps({"step": i, "reward/mean": i / 10}) for i in range(5)]
+    # What a SIGKILL mid-write leaves: five whole records, then half of a sixth.
+    (tmp_path / METRICS_FILE).write_text("\n".join(lines) + '\n{"step": 5, "rew')
+    log = MetricsLog(tmp_path, tensorboard=True, resume_at=3)
+    assert [r["step"] for r in log.records] == [0, 1, 2]
+    log.write({"step": 3, "reward/mean": 0.5})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 2, 3]
+    assert read_metrics(tmp_path / METRICS_FILE)[3]["reward/mean"] == 0.5
+    # Without resume_at an existing metrics file is never appended to.
+    with pytest.raises(FileExistsError):
+        MetricsLog(tmp_path, tensorboard=False)
