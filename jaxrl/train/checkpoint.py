@@ -99,10 +99,7 @@ class Checkpoints:
         warning when no step was asked for; RestoreError when none can be read."""
         steps = self.steps()
         if step is not None:
-            if step not in steps:
-                raise RestoreError(f"no checkpoint at step {step} in {self.directory}; "
-                                      f"it has {steps or 'none'}")
-            return self._restore(step, target)
+            return self._restore(self._existing(step, steps), target)
         errors = []
         for candidate in reversed(steps):
             try:
@@ -116,6 +113,12 @@ class Checkpoints:
             raise RestoreError(f"no checkpoint in {self.directory} could be read:\n  "
                                   + "\n  ".join(errors))
         return None
+
+    def _existing(self, step: int, steps: list[int]) -> int:
+        if step not in steps:
+            raise RestoreError(f"no checkpoint at step {step} in {self.directory}; it has "
+                               f"{steps or 'none'}")
+        return step
 
     def _restore(self, step: int, target: nnx.State) -> Restored:
         model, optimizer = target["model"], target["optimizer"]
@@ -136,10 +139,7 @@ class Checkpoints:
         steps = self.steps()
         if not steps:
             raise RestoreError(f"no checkpoints in {self.directory}")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise RestoreError(f"no checkpoint at step {step} in {self.directory}; it has "
-                                  f"{steps}")
+        step = self._existing(steps[-1] if step is None else step, steps)
         out = self._manager.restore(step, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target)))))
         state = jax.tree.map(lambda x: x, target)

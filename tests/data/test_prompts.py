@@ -1,6 +1,5 @@
 """Prompt data: fixed-shape left-padded batches, dropped long prompts, seeded epochs, resume."""
 
-import io
 import json
 
 import datasets
@@ -11,6 +10,7 @@ import pytest
 from jaxrl.data.curriculum import make_prompt_sampler
 from jaxrl.data.prompts import PromptBatches, PromptSource, PromptStats
 from jaxrl.data.tokenizer import load_tokenizer, make_char_tokenizer, pad_token_id
+from tests.data.test_curriculum import np_round_trip
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
 PROMPTS = ["1+1", "22+3", "a", "what is 7", "9+9=?", "hi", "abcdef", "x y", "12", "5+55"]
@@ -34,14 +34,6 @@ def jsonl(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     return path
-
-
-def np_round_trip(state):
-    buffer = io.BytesIO()
-    np.savez(buffer, **state)
-    buffer.seek(0)
-    with np.load(buffer) as loaded:
-        return dict(loaded)
 
 
 def rows_of(batches, n):
