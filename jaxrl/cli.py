@@ -10,11 +10,13 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 # jaxrl uses transformers for tokenizers only: its "PyTorch was not found" advice is noise.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 
 from jaxrl.config import ConfigError, load_config, shipped_config  # noqa: E402
 from jaxrl.models.config import UnsupportedModelError  # noqa: E402
@@ -25,6 +27,27 @@ from jaxrl.sharding.layout import LayoutError  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_FAILED = 1
+
+
+def _join(cfg, console: Console) -> None:
+    """Joins the run's other processes, if it has any (`jaxrl.distributed.setup`), before
+    anything touches a JAX backend; every process but 0 then prints nothing but errors."""
+    from jaxrl.distributed import initialize, is_main
+
+    try:
+        initialize(cfg.distributed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not is_main():
+        console.quiet = True
+
+
+def _emit(result: dict) -> None:
+    """The command's JSON result line on stdout (process 0 only)."""
+    from jaxrl.distributed import is_main
+
+    if is_main():
+        print(json.dumps(result))
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
@@ -49,8 +72,9 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
     # Without a config file, train runs the quickstart (shipped inside the package).
     path = args.config or str(shipped_config("quickstart.yaml"))
-    summary = run_train(load_config(ExperimentConfig, path, args.overrides), console, path)
-    print(json.dumps(summary))
+    cfg = load_config(ExperimentConfig, path, args.overrides)
+    _join(cfg, console)
+    _emit(run_train(cfg, console, path))
     return 0
 
 
@@ -59,9 +83,10 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     from jaxrl.train.experiment import ExperimentConfig
 
     path = args.config or str(shipped_config("quickstart.yaml"))
-    result = run_bench(load_config(ExperimentConfig, path, args.overrides), console, path,
-                       steps=args.steps, warmup=args.warmup, profile=args.profile)
-    print(json.dumps(result))
+    cfg = load_config(ExperimentConfig, path, args.overrides)
+    _join(cfg, console)
+    _emit(run_bench(cfg, console, path, steps=args.steps, warmup=args.warmup,
+                    profile=args.profile))
     return 0
 
 
@@ -70,9 +95,9 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     from jaxrl.train.experiment import ExperimentConfig
 
     path = args.config or str(shipped_config("quickstart.yaml"))
-    result = run_eval(load_config(ExperimentConfig, path, args.overrides), console,
-                      step=args.step)
-    print(json.dumps(result))
+    cfg = load_config(ExperimentConfig, path, args.overrides)
+    _join(cfg, console)
+    _emit(run_eval(cfg, console, step=args.step))
     return 0
 
 
@@ -144,13 +169,61 @@ def main(argv: list[str] | None = None) -> int:
     # Logs and CI capture stderr: do not fold the layout table to 80 columns there.
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
     try:
+        status = _run(args, console)
+    except BaseException as e:
+        if _several_processes():
+            traceback.print_exc()
+            if _is_lost_peer(e):
+                _ErrorConsole(console).print(
+                    f"[bold red]error[/]: lost contact with another process of this run: a "
+                    f"collective between the processes failed ({type(e).__name__}: "
+                    f"{escape(str(e).splitlines()[0][:300])}); another process has probably "
+                    f"died: see "
+                    f"its output")
+            _exit_now(EXIT_TRAINING_FAILED)
+        raise
+    if status and _several_processes():
+        _exit_now(status)
+    return status
+
+
+def _several_processes() -> bool:
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _is_lost_peer(e: BaseException) -> bool:
+    """A runtime error from a collective whose other side went away (gloo, NCCL, ICI)."""
+    import jax
+
+    text = str(e)
+    return isinstance(e, jax.errors.JaxRuntimeError) and any(
+        words in text for words in ("Connection closed by peer", "Connection reset",
+                                    "UNAVAILABLE", "DEADLINE_EXCEEDED", "unhealthy"))
+
+
+def _exit_now(status: int) -> None:
+    """Ends a failed process of a multi-process run at once. A normal exit would wait (up to
+    JAX's shutdown timeout) for the others, which may be waiting for this one in a
+    collective; gone, it is seen as dead by the coordinator's health check, which ends them
+    too within `distributed.heartbeat_timeout_s`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    """Runs the command; a known failure prints one line and returns its exit status."""
+    errors = _ErrorConsole(console)
+    try:
         return COMMANDS[args.command][0](args, console)
     except ConfigError as e:
-        console.print(f"[bold red]config error[/]: {e}")
+        errors.print(f"[bold red]config error[/]: {e}")
         return EXIT_CONFIG_ERROR
     except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError,
             MemoryFitError) as e:
-        console.print(f"[bold red]error[/]: {e}")
+        errors.print(f"[bold red]error[/]: {e}")
         return EXIT_CONFIG_ERROR
     except RuntimeError as e:
         # Imported here: the training loop and orbax are heavy, and most commands need neither.
@@ -158,12 +231,33 @@ def main(argv: list[str] | None = None) -> int:
         from jaxrl.train.loop import NonFiniteError
 
         if isinstance(e, RestoreError):
-            console.print(f"[bold red]error[/]: {e}")
+            errors.print(f"[bold red]error[/]: {e}")
             return EXIT_CONFIG_ERROR
         if isinstance(e, NonFiniteError):
-            console.print(f"[bold red]training stopped[/]: {e}")
+            errors.print(f"[bold red]training stopped[/]: {e}")
             return EXIT_TRAINING_FAILED
         raise
+
+
+class _ErrorConsole:
+    """Prints errors on every process (the main console is quiet on all but process 0),
+    naming the process when the run has several."""
+
+    def __init__(self, console: Console):
+        self.console = console
+
+    def print(self, text: str) -> None:
+        import jax
+
+        prefix = ""
+        if jax.distributed.is_initialized() and jax.process_count() > 1:
+            prefix = f"process {jax.process_index()}/{jax.process_count()}: "
+        quiet, self.console.quiet = self.console.quiet, False
+        try:
+            self.console.print(prefix + text)
+        finally:
+            self.console.quiet = quiet
+
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
             run.state, metrics = run.step(run.state, *placed, jax.random.fold_in(key, i),
                                           run.ref_params)
             host = jax.device_get(metrics)
-            run.batches.observe(i, batch.positions_B, host.pop(SUCCESS_KEY),
+            run.batches.observe(i, batch.all_positions_B, host.pop(SUCCESS_KEY),
                                 host.pop(SIGNAL_KEY))
             step_s = time.perf_counter() - start
             host["time/step_s"] = step_s
@@ -176,14 +176,14 @@ def _result(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict[
 
 def _measured_peak(run: Run) -> int | None:
     """The allocator's peak bytes in use on the first device (GPU/TPU; None on CPU)."""
-    stats = run.mesh.devices.flat[0].memory_stats() or {}
+    stats = run.mesh.local_devices[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
 def _decode_bound(run: Run, pre: Preflight) -> float | None:
     """Tokens/s if every decode step only had to read its bytes (XLA's bytes accessed of the
     decode program, per device) at the device's memory bandwidth: the roofline of decoding."""
-    bandwidth = memory_bandwidth(run.mesh.devices.flat[0])
+    bandwidth = memory_bandwidth(run.mesh.local_devices[0])
     if pre.accounting is None or bandwidth is None:
         return None
     decode = next(p for p in pre.accounting.hardware.generate if p.per_decode_step).cost

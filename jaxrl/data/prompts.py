@@ -59,6 +59,9 @@ class PromptBatch:
     rows_B: np.ndarray
     positions_B: np.ndarray  # the rows' positions among the usable prompts (int64)
     fields: dict[str, list[Any]]
+    # Every process's positions, in batch order (the curriculum observes the whole batch);
+    # equal to positions_B in a single process.
+    all_positions_B: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +159,9 @@ class PromptBatches:
     each step's positions, by default uniform epochs (`none`).
 
     Every process draws the same global batch of `batch_size` prompts and yields its contiguous
-    slice of rows [i*B/P, (i+1)*B/P); `observe` takes the global batch's positions and success
-    (every process's `positions_B` concatenated in process order), so all processes' samplers
-    stay in step.
+    slice of rows: [i*B/P, (i+1)*B/P) by process index, or the rows its devices hold
+    (`use_rows`); `observe` takes the global batch's positions (`all_positions_B`) and
+    success, so all processes' samplers stay in step.
     """
 
     def __init__(self, ids_NxP: np.ndarray, mask_NxP: np.ndarray, rows_N: np.ndarray,
@@ -181,6 +184,14 @@ class PromptBatches:
         if sampler is not None:
             self.use_sampler(sampler)
 
+    def use_rows(self, rows: slice) -> None:
+        """Yield rows [rows.start, rows.stop) of every batch (this process's devices' rows)."""
+        start, stop, _ = rows.indices(self.batch_size)
+        if rows.step not in (None, 1) or stop <= start or rows.stop > self.batch_size:
+            raise ValueError(f"rows must be a contiguous non-empty slice of the "
+                             f"{self.batch_size} rows of a batch, got {rows}")
+        self._slice = slice(start, stop)
+
     def use_sampler(self, sampler: PromptSampler) -> None:
         """Draw with `sampler` (e.g. `make_prompt_sampler(cfg.data.curriculum, ...)`) from now
         on; only before the first batch, so that step numbers and state stay consistent."""
@@ -202,10 +213,12 @@ class PromptBatches:
         return self
 
     def __next__(self) -> PromptBatch:
-        take_B = self.sampler.draw()[self._slice]
+        all_B = self.sampler.draw()
+        take_B = all_B[self._slice]
         return PromptBatch(ids_BxP=self.ids_NxP[take_B], mask_BxP=self.mask_NxP[take_B],
                            rows_B=self.rows_N[take_B], positions_B=take_B,
-                           fields={c: [v[i] for i in take_B] for c, v in self.fields.items()})
+                           fields={c: [v[i] for i in take_B] for c, v in self.fields.items()},
+                           all_positions_B=all_B)
 
     def observe(self, step: int, positions_B: np.ndarray, success_B: np.ndarray,
                 signal_B: np.ndarray | None = None) -> None:

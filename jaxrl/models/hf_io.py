@@ -61,7 +61,7 @@ def from_pretrained(
     """Loads an HF model directory, each tensor straight onto its sharding under `rules`.
 
     `dtype` (parameters) defaults to the checkpoint's `torch_dtype`, `compute_dtype` to
-    `dtype`. Without a mesh the model lives unsharded on `jax.devices()[0]`. `scan_layers`,
+    `dtype`. Without a mesh the model lives unsharded on `jax.local_devices()[0]`. `scan_layers`,
     `attention_impl` and `remat` are the runtime policy of `ModelConfig`.
     """
     path = Path(path)
@@ -82,7 +82,7 @@ def from_pretrained(
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     if mesh is None:
-        device = SingleDeviceSharding(jax.devices()[0])
+        device = SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda v: v.replace(device), abstract,
                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
     else:

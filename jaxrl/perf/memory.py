@@ -73,7 +73,7 @@ def device_memory(device: jax.Device | None = None) -> tuple[int, str]:
     devices report none; the forced CPU devices of one host share its RAM, so each gets
     physical memory / local CPU device count.
     """
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]), f"{device.device_kind} memory_stats bytes_limit"

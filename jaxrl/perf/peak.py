@@ -81,7 +81,7 @@ def peak_flops(device: jax.Device | None = None, *, override_tflops: float | Non
         if not override_tflops > 0:
             raise ValueError(f"perf.peak_tflops must be > 0, got {override_tflops}")
         return Peak(override_tflops * 1e12, f"config: perf.peak_tflops = {override_tflops:g}")
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]
     chip = _chip(device.device_kind)
     if chip is not None:
         return Peak(chip.bf16_tflops * 1e12,
@@ -96,7 +96,7 @@ def peak_flops(device: jax.Device | None = None, *, override_tflops: float | Non
 
 def memory_bandwidth(device: jax.Device | None = None) -> float | None:
     """HBM bandwidth of `device` in bytes/s from the table; None when the chip is unknown."""
-    device = device if device is not None else jax.devices()[0]
+    device = device if device is not None else jax.local_devices()[0]
     chip = _chip(device.device_kind)
     return chip.hbm_bytes_per_s if chip is not None else None
 

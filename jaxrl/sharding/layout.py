@@ -4,6 +4,7 @@ A layout file looks like
 
     mesh: {data: 1, fsdp: -1, tensor: 2}   # per slice; -1 takes the remaining devices
     dcn: {data: 1}                          # slices (TPU multislice): multiplies the data axis
+    hosts: fsdp                             # the axis that spans hosts (processes)
     rules:
       train:   {batch: [data, fsdp], embed: fsdp, mlp: tensor, ...}
       rollout: {batch: [data, fsdp], mlp: tensor, ...}
@@ -61,6 +62,7 @@ class LayoutSpec:
 
     mesh: MeshAxes = dataclasses.field(default_factory=MeshAxes)
     dcn: DcnAxes = dataclasses.field(default_factory=DcnAxes)
+    hosts: str = "data"
     rules: RuleSets = dataclasses.field(default_factory=RuleSets)
 
 
@@ -73,8 +75,12 @@ class Layout:
     dcn_data: int
     train_rules: AxisRules
     rollout_rules: AxisRules
+    hosts: str = "data"  # the mesh axis that spans processes (hosts); see make_mesh
 
     def __post_init__(self):
+        if self.hosts not in MESH_AXES:
+            raise LayoutError(f"layout {self.name!r}: hosts must name a mesh axis "
+                              f"({', '.join(MESH_AXES)}), got {self.hosts!r}")
         sizes = dataclasses.asdict(self.mesh)
         for axis, size in sizes.items():
             if size == 0 or size < -1:
@@ -151,6 +157,7 @@ def load_layout(name_or_path: str | os.PathLike) -> Layout:
         name=path.stem,
         mesh=spec.mesh,
         dcn_data=spec.dcn.data,
+        hosts=spec.hosts,
         train_rules=rule_sets["train"],
         rollout_rules=rule_sets["rollout"],
     )
@@ -162,11 +169,21 @@ def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Me
     Axes are `Auto` (GSPMD): shardings come from the rules, and XLA propagates the rest.
     With `dcn.data > 1` the data axis spans slices and fsdp/tensor stay inside one slice,
     so the fast interconnect carries the weight traffic.
+
+    Devices of several processes (GPU clusters, CPU processes): the layout's `hosts` axis
+    spans the processes and the other axes run within one, so each process's devices form
+    a contiguous block of the mesh (and of every batch split over it), and only the `hosts`
+    axis's collectives cross the network. A TPU slice is one interconnect however many
+    hosts drive it: `jax.make_mesh` places its axes by the chip topology.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = layout.mesh_shape(len(devices))
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     sizes = tuple(shape[a] for a in MESH_AXES)
+    processes = len({d.process_index for d in devices})
+    if processes > 1 and layout.dcn_data == 1 and devices[0].platform != "tpu":
+        return Mesh(_process_major_grid(layout, devices, shape, processes), MESH_AXES,
+                    axis_types=axis_types)
     if layout.dcn_data > 1:
         if not hasattr(devices[0], "slice_index"):
             # Only TPU multislice devices carry a slice index; elsewhere there is one slice.
@@ -183,3 +200,24 @@ def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Me
         # Device-topology-aware placement is unavailable for this set (e.g. a subset of
         # devices); a plain row-major grid is still a correct mesh.
         return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=axis_types)
+
+
+def _process_major_grid(layout: Layout, devices: list[jax.Device], shape: dict[str, int],
+                        processes: int) -> np.ndarray:
+    """Devices ordered process by process, the `hosts` axis outermost, then moved to its
+    place among (data, fsdp, tensor): the other axes stay within a process."""
+    hosts = layout.hosts
+    within = math.prod(shape[a] for a in MESH_AXES if a != hosts)
+    local = len(devices) // processes
+    # Each process must fill whole rows of the hosts axis (a host's devices), or whole
+    # blocks of the other axes (one process per GPU: a node's processes share a block).
+    if shape[hosts] % processes and within % local:
+        raise LayoutError(
+            f"layout {layout.name!r}: the mesh {shape} does not split into the {processes} "
+            f"processes of {local} devices each: the hosts axis {hosts!r} ({shape[hosts]}) is "
+            f"not a multiple of {processes} and the other axes ({within} devices) are not a "
+            f"multiple of {local}; change the mesh sizes or `hosts`")
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    order = [hosts, *(a for a in MESH_AXES if a != hosts)]
+    grid = np.asarray(ordered, dtype=object).reshape([shape[a] for a in order])
+    return np.moveaxis(grid, 0, MESH_AXES.index(hosts))

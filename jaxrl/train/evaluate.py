@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
@@ -117,7 +117,8 @@ class Evaluator:
         def score(rollout: Rollout, fields_B: dict[str, jax.Array], rows_B: jax.Array):
             return rewards.score(reward_inputs(rollout, fields_B, rows_B, n))[0]
 
-        self._score = jax.jit(score)
+        # Replicated: every process reads all the totals (they are few).
+        self._score = jax.jit(score, out_shardings=NamedSharding(run.mesh, PartitionSpec()))
 
     @property
     def num_prompts(self) -> int:
@@ -161,6 +162,7 @@ def append_eval(run_dir: Path, step: int | None, metrics: dict[str, float]) -> P
     """Appends {"step": step, **metrics} as one line to <run_dir>/eval.jsonl (step: training
     steps behind the policy, None when unknown)."""
     path = Path(run_dir) / EVAL_FILE
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    if jax.process_index() == 0:  # one writer in a run of several processes
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
     return path

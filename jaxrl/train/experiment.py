@@ -10,6 +10,7 @@
     eval      held-out evaluation: prompts, samples per prompt, pass@k, how often
     log       TensorBoard, the reward plot, progress lines
     perf      peak FLOP/s and memory limit overrides, FLOP counting on/off
+    distributed  joining a run of several processes (hosts): coordinator, count, id
 
 `load_config(ExperimentConfig, path, overrides)` fills it from YAML and dotted overrides; every
 section validates itself in `__post_init__`, so a bad value fails before anything compiles.
@@ -22,6 +23,7 @@ import typing
 
 from jaxrl.config import Family, ModelSection, RolloutSection, ShardingSection
 from jaxrl.data.tasks.config import TaskConfig
+from jaxrl.distributed.setup import DistributedSection
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.train.optimizer import OptimConfig
 from jaxrl.train.phases import StepConfig
@@ -207,6 +209,7 @@ class ExperimentConfig:
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
     perf: PerfSection = dataclasses.field(default_factory=PerfSection)
+    distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
     def __post_init__(self):
         if self.algo.advantage in ("grpo", "rloo") and self.rollout.num_generations < 2:

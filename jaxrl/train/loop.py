@@ -14,6 +14,10 @@
 The host never waits on the device inside the loop except to fetch metrics one step late
 (nanodo's pattern), so host work (next batch, logging) overlaps device work.
 
+Several processes run this same loop in lockstep, each on its own rows of every batch; the
+metrics are global (every process fetches the same values), and only process 0 writes
+them, the plot and the evaluations; every process writes its checkpoint shards.
+
 Resuming is exact: step N's prompts come from the restored iterator, its key is
 fold_in(key, N) of the restored base key, the curriculum sees step j's results only when
 drawing step j + 2 (whenever they were fetched), and the train state comes back bit for bit;
@@ -52,6 +56,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import RunDirError
+from jaxrl.distributed import is_main
 from jaxrl.train.checkpoint import Checkpoints, restore_key
 from jaxrl.train.clock import step_seconds
 from jaxrl.train.evaluate import Evaluator, append_eval
@@ -123,7 +128,7 @@ def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict
     finally:
         checkpoints.wait()
         checkpoints.close()
-    if cfg.log.plot and log.records:
+    if cfg.log.plot and log.records and is_main():
         summary["plot"] = str(plot_rewards(log.records, run_dir / PLOT_FILE,
                                            title=f"{name}: {run.task.name}",
                                            target=cfg.train.target_reward))
@@ -217,15 +222,15 @@ def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, Any
             for step in range(start_step, max_steps):
                 batch, placed = first if step == start_step else (
                     (b := next(run.batches)), run.place(b))
-                drawn[step] = (batch.positions_B, run.batches.metrics())
+                drawn[step] = (batch.all_positions_B, run.batches.metrics())
                 state, metrics = run.step(state, *placed, jax.random.fold_in(key, step),
                                           run.ref_params)
                 if pending is not None:
                     record(*pending)
                 pending = (step, metrics)
                 done = step + 1
-                save = bool(stop.signal) or (every > 0 and (done % every == 0
-                                                            or done == max_steps))
+                stopping = stop.requested(step)
+                save = stopping or (every > 0 and (done % every == 0 or done == max_steps))
                 evaluate_now = (cfg.eval.every > 0 and done % cfg.eval.every == 0
                                 and done < max_steps and cfg.eval.num_prompts > 0
                                 and run.task.eval_rows is not None)
@@ -240,7 +245,7 @@ def _loop(cfg: ExperimentConfig, run: Run, pre: Preflight, first: tuple[Any, Any
                     result = evaluator()
                     log.write_scalars(done, result)
                     append_eval(run.run_dir, done, result)
-                if stop.signal:
+                if stopping:
                     stopped = done
                     break
         finally:

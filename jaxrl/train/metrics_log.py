@@ -4,7 +4,8 @@
 metrics reach the host, so a crash loses at most the steps still in flight. A resumed run
 keeps the records before its checkpoint's step and writes the rest again. Keys are the
 stable, slash-grouped names of DESIGN.md (`step`, `reward/mean`, `loss/policy`, ...); values
-are plain floats (ints for `step`). TensorBoard (tensorboardX) gets the same scalars.
+are plain floats (ints for `step`). TensorBoard (tensorboardX) gets the same scalars. In a
+run of several processes only process 0 writes them; the others keep the records in memory.
 """
 
 from __future__ import annotations
@@ -36,12 +37,24 @@ class MetricsLog:
     """Appends step records to `<run_dir>/metrics.jsonl` and (optionally) TensorBoard."""
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True,
-                 resume_at: int | None = None):
+                 resume_at: int | None = None, files: bool | None = None):
         """`resume_at`: the run resumes at this step; the records of the steps before it are
-        kept (a torn last line from a killed process and later steps are dropped)."""
+        kept (a torn last line from a killed process and later steps are dropped). `files`:
+        write metrics.jsonl and TensorBoard (default: on process 0 only); without, the
+        records are only kept in memory."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.records: list[dict[str, float | int]] = []
+        self._file = self._writer = None
+        self._closed = False
+        if files is None:
+            import jax
+
+            files = jax.process_index() == 0
+        if not files:
+            if resume_at is not None:
+                self.records = [r for r in _read_whole_lines(self.path) if r["step"] < resume_at]
+            return
         if resume_at is None:
             # "x": never append to (and interleave with) another run's metrics.
             self._file = self.path.open("x", encoding="utf-8")
@@ -52,21 +65,20 @@ class MetricsLog:
                            encoding="utf-8")
             tmp.replace(self.path)  # atomic: a crash here leaves the old file or the new one
             self._file = self.path.open("a", encoding="utf-8")
-        self._writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             # purge_step: TensorBoard hides the events a killed run wrote at or after the
             # step it resumes at (they are written again).
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_at)
-        self._closed = False
 
     def write(self, record: dict[str, float | int]) -> None:
         self._check_open()
         # NaN/inf are written as JSON's non-standard NaN/Infinity (json's default), which
         # Python and pandas read back; dropping them would hide a diverging run.
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         self.records.append(record)
         if self._writer is not None:
             for name, value in record.items():
@@ -88,7 +100,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._closed = True
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._writer is not None:
             self._writer.close()
 

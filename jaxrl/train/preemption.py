@@ -6,6 +6,11 @@ records that a stop was asked for; the loop sees it after the step in flight, sa
 checkpoint, waits for it to be written and returns normally (exit status 0), so the same
 command resumes the run. The previous handler comes back when the block ends. Signal handlers
 can only be installed from the main thread; elsewhere the request is inert (never set).
+
+In a run of several processes (jax.distributed), each host may get its SIGTERM at a different
+step, yet all must stop after the same one and write one checkpoint together: JAX's preemption
+service (its own SIGTERM handler, so none is installed here) agrees on that step, and
+`requested(step)` turns true on every process at it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from __future__ import annotations
 import signal
 import threading
 import types
+
+import jax
+from jax.experimental import multihost_utils
 
 
 class StopRequest:
@@ -27,7 +35,17 @@ class StopRequest:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
 
+    def requested(self, step: int) -> bool:
+        """Whether to stop after step `step`; call once per step, steps in order (all
+        processes of a multi-process run get the same answer at the same step)."""
+        if jax.distributed.is_initialized() and multihost_utils.reached_preemption_sync_point(
+                step):
+            self.signal = self.signal or "SIGTERM"
+        return self.signal is not None
+
     def __enter__(self) -> StopRequest:
+        if jax.distributed.is_initialized():
+            return self  # JAX's preemption service handles SIGTERM (module docstring)
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)

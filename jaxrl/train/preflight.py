@@ -77,7 +77,7 @@ def preflight(run: Run, args: tuple[Any, ...], console: Console, *,
     """Compiles, checks the memory fit and counts FLOPs of `run`'s step (module docstring);
     `refresh_peak` measures a CPU's matmul rate again instead of reading the cache."""
     cfg = run.cfg
-    device = run.mesh.devices.flat[0]
+    device = run.mesh.local_devices[0]  # this process's (a multi-process mesh spans others)
     start = time.perf_counter()
     with console.status("compiling the step program..."):
         compiled = run.step.compile(run.state, *args, run.ref_params)

@@ -12,6 +12,11 @@
 
 Nothing here runs a step; a bad value (a missing column, a prompt set that does not fit)
 fails here, before anything compiles.
+
+Several processes: each builds the same run; process 0 alone writes files (the random
+policy), and each process draws, tokenizes and places only its own rows of every batch
+(`process_rows` of the batch sharding); Python rewards then score those rows in each
+process (split mode).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jaxrl.data.curriculum import make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+from jaxrl.distributed import broadcast, from_local_rows, is_main, process_rows, sync
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
 from jaxrl.rl import RewardSet
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig
@@ -67,28 +73,45 @@ class Run:
         return self.cfg.data.batch_size * self.cfg.rollout.num_generations
 
     def place(self, batch: PromptBatch) -> tuple[Prompts, dict[str, jax.Array], jax.Array]:
-        """A host batch as the step's device arguments, split over the mesh's batch axes."""
-        return self.place_rows(batch.ids_BxP, batch.mask_BxP, batch.rows_B,
-                               self.task.device_fields(self.tokenizer, batch.fields))
+        """This process's rows of a step's batch (`batches` yields only those) as the step's
+        device arguments: global arrays of `data.batch_size` rows over the batch axes."""
+        return self._place(self.cfg.data.batch_size, batch.ids_BxP, batch.mask_BxP,
+                           batch.rows_B, self.task.device_fields(self.tokenizer, batch.fields))
 
     def place_rows(self, ids_BxP: np.ndarray, mask_BxP: np.ndarray, rows_B: np.ndarray,
                    fields_B: dict[str, np.ndarray],
                    ) -> tuple[Prompts, dict[str, jax.Array], jax.Array]:
-        """Host arrays (one row per prompt) on the mesh, rows split over its batch axes."""
-        rules = self.layout.train_rules
+        """A whole batch of host arrays (one row per prompt, the same on every process) on
+        the mesh, rows split over its batch axes; each process places its own rows."""
+        rows = process_rows(self._batch_sharding(len(ids_BxP), np.ndim(ids_BxP)),
+                            np.shape(ids_BxP))
+        return self._place(len(ids_BxP), *(np.asarray(x)[rows] for x in (
+            ids_BxP, mask_BxP, rows_B)), {k: np.asarray(v)[rows] for k, v in fields_B.items()})
 
-        def put(x):
-            x = np.asarray(x)
-            axes = ("batch",) + (None,) * (x.ndim - 1)
-            return jax.device_put(x, rules.sharding(axes, x.shape, self.mesh))
+    def _batch_sharding(self, rows: int, ndim: int) -> jax.sharding.NamedSharding:
+        axes = ("batch",) + (None,) * (ndim - 1)
+        return self.layout.train_rules.sharding(axes, (rows,) + (1,) * (ndim - 1), self.mesh)
 
-        return (Prompts(put(ids_BxP), put(mask_BxP)), {k: put(v) for k, v in fields_B.items()},
-                put(np.asarray(rows_B, np.int32)))
+    def _place(self, rows: int, ids_bxP: np.ndarray, mask_bxP: np.ndarray, rows_b: np.ndarray,
+               fields_b: dict[str, np.ndarray],
+               ) -> tuple[Prompts, dict[str, jax.Array], jax.Array]:
+        """This process's rows (b of the batch's `rows`) as global arrays on the mesh."""
+
+        def put(x_b):
+            x_b = np.asarray(x_b)
+            return from_local_rows(self._batch_sharding(rows, x_b.ndim), x_b,
+                                   (rows, *x_b.shape[1:]))
+
+        return (Prompts(put(ids_bxP), put(mask_bxP)), {k: put(v) for k, v in fields_b.items()},
+                put(np.asarray(rows_b, np.int32)))
 
     def save_policy(self, path: Path) -> Path:
-        """The current policy and its tokenizer as an HF model directory at `path`."""
+        """The current policy and its tokenizer as an HF model directory at `path` (written
+        by process 0; every process takes part in gathering the weights)."""
         save_pretrained(nnx.merge(self.graphdef, self.state).model, path)
-        self.tokenizer.save_pretrained(str(path))
+        if is_main():
+            self.tokenizer.save_pretrained(str(path))
+        sync("jaxrl: policy saved")
         return path
 
     def policy(self) -> tuple[nnx.GraphDef, nnx.State]:
@@ -115,7 +138,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
             raise ConfigError(f"data.task={task.name} brings no tokenizer or model: set "
                               f"model.path to a local HF model directory")
         model_path = run_dir / INIT_MODEL_DIR
-        if not (reuse_init and (model_path / "config.json").is_file()):
+        if not (reuse_init and broadcast((model_path / "config.json").is_file())):
             _init_model(cfg, task.tokenizer(), model_path, mesh, layout)
             console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to "
                           f"{model_path}")
@@ -146,6 +169,9 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
             difficulty_N=difficulty_N, group_size=cfg.rollout.num_generations))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data.curriculum={cfg.data.curriculum}: {e}") from None
+    # Each process draws the whole batch's positions and keeps the rows its devices hold.
+    batches.use_rows(process_rows(run_batch_sharding(cfg, layout, mesh),
+                                  (cfg.data.batch_size, cfg.data.max_prompt_len)))
     stats = batches.stats
     console.print(f"[bold]data[/]: task {task.name}, {stats.num_prompts:,} prompts "
                   f"({stats.num_dropped:,} of {stats.num_rows:,} dropped as longer than "
@@ -163,7 +189,14 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                       rules=layout.rollout_rules)
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
-    step = build_step(cfg.algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
+    algo = cfg.algo
+    if jax.process_count() > 1 and rewards.python_rewards and algo.mode == "fused":
+        # The fused program's reward callback would run on one process over the whole
+        # batch; split mode scores each process's own rows between its two programs.
+        algo = dataclasses.replace(algo, mode="split")
+        console.print(f"[bold]algo.mode[/]: split (Python rewards on {jax.process_count()} "
+                      f"processes: each scores its own rows; same results as fused)")
+    step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
                       rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
     return Run(run_dir, cfg, layout, mesh, tokenizer, task, model_config, batches, rewards,
                sampler, step, graphdef, state, ref_params)
@@ -192,8 +225,17 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
     model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
                            layout.train_rules)
     save_pretrained(model, path)
-    tokenizer.save_pretrained(str(path))
+    if is_main():
+        tokenizer.save_pretrained(str(path))
+    sync("jaxrl: random policy saved")
     return path
+
+
+def run_batch_sharding(cfg: ExperimentConfig, layout: Layout, mesh: Mesh
+                       ) -> jax.sharding.NamedSharding:
+    """The sharding of a step's [batch_size, max_prompt_len] prompt ids."""
+    shape = (cfg.data.batch_size, cfg.data.max_prompt_len)
+    return layout.train_rules.sharding(("batch", None), shape, mesh)
 
 
 def _phase_times(cfg: ExperimentConfig, mesh: Mesh) -> bool:

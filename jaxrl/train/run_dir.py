@@ -10,6 +10,11 @@
   or dataset is a new experiment, so it is refused with the keys that differ.
 - `train.run_dir` set and holding metrics but no checkpoint: refused (nothing to resume from,
   and a run directory is never overwritten). An empty or missing directory starts a new run.
+
+Several processes: process 0 decides and writes, the others take its decision; then every
+process must see the directory (each writes its own checkpoint shards into it), or the run
+stops with an error naming the processes that cannot: `train.run_dir` must be on a
+filesystem all hosts share, at the same path.
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from omegaconf import OmegaConf
 
 from jaxrl.config import RunDirError, to_yaml
-from jaxrl.train.checkpoint import CHECKPOINT_DIR, Checkpoints
+from jaxrl.distributed import broadcast, is_main, sync
+from jaxrl.train.checkpoint import CHECKPOINT_DIR
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import METRICS_FILE
 
@@ -29,22 +39,45 @@ CONFIG_FILE = "config.yaml"
 # Keys a resumed run may change (prefixes end with a dot).
 RESUMABLE_KEYS = ("train.run_dir", "train.max_steps", "train.checkpoint_every",
                   "train.keep_checkpoints", "train.max_skipped_in_a_row", "train.save_final",
-                  "train.target_reward", "eval.", "log.", "perf.")
+                  "train.target_reward", "eval.", "log.", "perf.", "distributed.")
 
 
 def has_checkpoints(run_dir: Path) -> bool:
     """Whether `run_dir` holds at least one complete checkpoint."""
-    if not (run_dir / CHECKPOINT_DIR).is_dir():
-        return False
-    checkpoints = Checkpoints(run_dir, async_save=False)
-    try:
-        return bool(checkpoints.steps())
-    finally:
-        checkpoints.close()
+    directory = run_dir / CHECKPOINT_DIR
+    # Finalized checkpoints only (orbax renames a checkpoint's directory when it is whole).
+    return directory.is_dir() and bool(ocp.utils.checkpoint_steps(directory.absolute()))
 
 
 def prepare_run_dir(cfg: ExperimentConfig, name: str) -> tuple[Path, bool, bool]:
-    """(the run directory, whether this call created it, whether the run resumes)."""
+    """(the run directory, whether this call created it, whether the run resumes); on
+    several processes process 0 decides (module docstring)."""
+    if jax.process_count() == 1:
+        return _prepare(cfg, name)
+    decision: dict = {}
+    if is_main():
+        try:
+            run_dir, created, resume = _prepare(cfg, name)
+            decision = {"run_dir": str(run_dir), "created": created, "resume": resume}
+        except RunDirError as e:
+            decision = {"error": str(e)}
+    decision = broadcast(decision)
+    if "error" in decision:
+        raise RunDirError(decision["error"])
+    run_dir = Path(decision["run_dir"])
+    sync("jaxrl: run dir prepared")
+    seen_P = multihost_utils.process_allgather(np.int32((run_dir / CONFIG_FILE).is_file()))
+    blind = [int(p) for p in np.flatnonzero(np.asarray(seen_P) == 0)]
+    if blind:
+        raise RunDirError(
+            f"train.run_dir {str(run_dir)!r} (written by process 0) is not visible to "
+            f"process(es) {blind}: every process writes its checkpoint shards there, so it must "
+            f"be on a filesystem all hosts share, at the same path (NFS, Lustre, a GCS bucket "
+            f"mounted with gcsfuse)")
+    return run_dir, decision["created"] and is_main(), decision["resume"]
+
+
+def _prepare(cfg: ExperimentConfig, name: str) -> tuple[Path, bool, bool]:
     if cfg.train.run_dir:
         run_dir = Path(cfg.train.run_dir)
         if has_checkpoints(run_dir):

@@ -44,8 +44,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl.distributed import from_local_rows, local_rows, process_rows
 from jaxrl.rl import RewardInputs, RewardSet, zero_std_groups
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
@@ -117,7 +118,7 @@ class Step:
             return fused(state, prompts, fields_P, rows_P, key, ref_params)
         rollout, inputs = self._compiled.get("generate", self._generate)(
             state, prompts, fields_P, rows_P, key)
-        host_values = self.rewards.score_host(inputs) if self.rewards.python_rewards else None
+        host_values = self._score_host(inputs) if self.rewards.python_rewards else None
         return self._compiled.get("train", self._train)(state, rollout, inputs, host_values,
                                                         ref_params)
 
@@ -137,11 +138,42 @@ class Step:
         host_values = None
         if self.rewards.python_rewards:
             k, b = len(self.rewards.python_rewards), shapes[0].completion_ids_BxC.shape[0]
-            host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32),
-                           jax.ShapeDtypeStruct((b,), jnp.float32))
+            values_sharding, errors_sharding = self._host_shardings(
+                generate.output_shardings[0].completion_ids_BxC)
+            host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32, sharding=values_sharding),
+                           jax.ShapeDtypeStruct((b,), jnp.float32, sharding=errors_sharding))
         train = self._train.lower(state, *outputs, host_values, ref_params).compile()
         self._compiled = {"generate": generate, "train": train}
         return dict(self._compiled)
+
+    def _score_host(self, inputs: RewardInputs) -> tuple[jax.Array, jax.Array]:
+        """The Python rewards of the rows this process holds, as global arrays: (values_KxB,
+        errors_B), rows split like the completions (each process scores its own)."""
+        if jax.process_count() == 1:
+            return self.rewards.score_host(inputs)
+        local = RewardInputs(*(local_rows(x) for x in (
+            inputs.prompt_ids_BxP, inputs.prompt_mask_BxP, inputs.completion_ids_BxC,
+            inputs.completion_mask_BxC)), fields={}, rows_B=local_rows(inputs.rows_B))
+        values_Kxb, errors_b = self.rewards.score_host(local)
+        ids = inputs.completion_ids_BxC
+        values_sharding, errors_sharding = self._host_shardings(ids.sharding)
+        if process_rows(ids.sharding, ids.shape) != process_rows(errors_sharding, ids.shape[:1]):
+            raise ValueError(f"completion rows are sharded as {ids.sharding}, which is not a "
+                             f"split of rows over mesh axes")
+        k, b = values_Kxb.shape[0], ids.shape[0]
+        return (from_local_rows(values_sharding, values_Kxb, (k, b), axis=1),
+                from_local_rows(errors_sharding, errors_b, (b,)))
+
+    def _host_shardings(self, completions: jax.sharding.Sharding
+                        ) -> tuple[jax.sharding.Sharding | None, jax.sharding.Sharding | None]:
+        """Shardings of the host rewards' (values_KxB, errors_B): rows split like the
+        completions' (None, unconstrained, without a mesh)."""
+        if self.mesh is None:
+            return None, None
+        rows = completions.spec[0] if isinstance(completions, NamedSharding) and len(
+            completions.spec) else None
+        return (NamedSharding(self.mesh, PartitionSpec(None, rows)),
+                NamedSharding(self.mesh, PartitionSpec(rows)))
 
     def num_compilations(self) -> int | None:
         """Programs compiled for the step so far (1 per program when nothing recompiled)."""
@@ -149,6 +181,12 @@ class Step:
         if None in sizes:
             return None
         return len(self._compiled) + sum(size() for size in sizes)
+
+    def _replicated(self, x: jax.Array) -> jax.Array:
+        """`x` on every device: each process of a multi-process run reads all of it."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
     def _rules(self):
         if self.mesh is None:
@@ -177,9 +215,10 @@ class Step:
                 rollout = rollout.replace(completion_ids_BxC=rollout.completion_ids_BxC + start)
             ts = nnx.merge(self.graphdef, state)
             rewards_B, metrics = score(self.rewards, inputs, host_values)
-            metrics[SUCCESS_KEY] = prompt_success(self.rewards, rewards_B, g)
+            metrics[SUCCESS_KEY] = self._replicated(prompt_success(self.rewards, rewards_B, g))
             # 1 where the group's rewards differ: it has a group-relative advantage.
-            metrics[SIGNAL_KEY] = 1.0 - zero_std_groups(rewards_B, g)[::g].astype(jnp.float32)
+            metrics[SIGNAL_KEY] = self._replicated(
+                1.0 - zero_std_groups(rewards_B, g)[::g].astype(jnp.float32))
             rewards_B, shaping_metrics = shape_rewards(self.cfg, rewards_B,
                                                        rollout.completion_mask_BxC)
             metrics.update(shaping_metrics)

@@ -1,0 +1,166 @@
+"""Joining a multi-process run: when and how `jax.distributed.initialize` is called.
+
+JAX's multi-controller runtime runs the same program in every process over one global mesh;
+`jax.distributed.initialize` connects the processes (a coordinator on process 0, health
+checks, the key-value store orbax uses for multi-host checkpoints). It must run before
+anything touches a JAX backend, so the `jaxrl` command calls `initialize(cfg.distributed)`
+right after reading the config. Which processes form the run:
+
+    explicit   distributed.coordinator_address / num_processes / process_id, or the
+               environment JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (a
+               config value wins over the environment); all three are needed. Used by
+               `launch/local_multiprocess.sh`; joins even when num_processes is 1.
+    SLURM      SLURM_NTASKS > 1 (an `srun` of several tasks): JAX reads the job's
+               environment (coordinator: the first node; one GPU per task unless
+               JAX_LOCAL_DEVICE_IDS says otherwise, `launch/slurm_gpu.sbatch`).
+    TPU VM     a Cloud TPU VM (libtpu sees TPU chips): JAX finds the slice's workers, and
+               the slices of a multislice job, from the VM's metadata and environment.
+    none       otherwise: one process over the local devices, no initialize.
+
+`distributed.auto: false` turns the SLURM and TPU detection off (an `srun` that starts one
+jaxrl per task on purpose, say). On CPU the processes' collectives go over gloo (TCP).
+
+When a process dies, the others learn it from the coordinator's health checks within
+`distributed.heartbeat_timeout_s` and exit with JAX's "another task died" error instead of
+waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+import jax
+
+ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+How = Literal["explicit", "slurm", "tpu", "none", "already"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """`distributed`: how this process joins a multi-process run (module docstring)."""
+
+    coordinator_address: str | None = None  # host:port of process 0; env JAX_COORDINATOR_ADDRESS
+    num_processes: int | None = None  # env JAX_NUM_PROCESSES
+    process_id: int | None = None  # env JAX_PROCESS_ID
+    auto: bool = True  # detect SLURM jobs of several tasks and Cloud TPU VMs
+    initialization_timeout_s: int = 300  # how long to wait for every process to join
+    heartbeat_timeout_s: int = 100  # a process silent this long counts as dead: all exit
+
+    def __post_init__(self):
+        if self.coordinator_address is not None and not _is_address(self.coordinator_address):
+            raise ValueError(f"distributed.coordinator_address must be host:port, got "
+                             f"{self.coordinator_address!r}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"distributed.num_processes must be >= 1, got "
+                             f"{self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"distributed.process_id must be >= 0, got {self.process_id}")
+        for name in ("initialization_timeout_s", "heartbeat_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"distributed.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Explicit:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+
+def _is_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def explicit_settings(section: DistributedSection) -> Explicit | None:
+    """The coordinator, process count and id from the config or the environment; None when
+    none of them is set. Raises ValueError naming what is missing when only some are."""
+    env_address = os.environ.get(ENV_ADDRESS) or None
+    if env_address is not None and not _is_address(env_address):
+        raise ValueError(f"environment variable {ENV_ADDRESS} must be host:port, got "
+                         f"{env_address!r}")
+    values = {
+        "coordinator_address": section.coordinator_address or env_address,
+        "num_processes": (section.num_processes if section.num_processes is not None
+                          else _env_int(ENV_NUM_PROCESSES)),
+        "process_id": (section.process_id if section.process_id is not None
+                       else _env_int(ENV_PROCESS_ID)),
+    }
+    missing = [k for k, v in values.items() if v is None]
+    if len(missing) == 3:
+        return None
+    if missing:
+        env = {"coordinator_address": ENV_ADDRESS, "num_processes": ENV_NUM_PROCESSES,
+               "process_id": ENV_PROCESS_ID}
+        raise ValueError(
+            "a multi-process run needs all of distributed.coordinator_address, num_processes "
+            "and process_id (or the environment " + ", ".join(env.values()) + "); missing: "
+            + ", ".join(f"distributed.{k} ({env[k]})" for k in missing))
+    settings = Explicit(**values)
+    if settings.num_processes < 1 or not 0 <= settings.process_id < settings.num_processes:
+        raise ValueError(f"distributed.process_id={settings.process_id} must be in "
+                         f"0..num_processes-1 with num_processes={settings.num_processes}")
+    return settings
+
+
+def _slurm_tasks() -> int:
+    if "SLURM_JOB_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return 0
+    return _env_int("SLURM_STEP_NUM_TASKS") or _env_int("SLURM_NTASKS") or 0
+
+
+def _on_cloud_tpu_vm() -> bool:
+    """Whether libtpu sees TPU chips on this machine (what JAX's own TPU setup checks)."""
+    try:
+        from jax._src import hardware_utils  # JAX's PCI scan; private, hence the guard
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:
+        return False
+
+
+def detect(section: DistributedSection) -> How:
+    """Which kind of multi-process run this process belongs to (module docstring)."""
+    if jax.distributed.is_initialized():
+        return "already"
+    if explicit_settings(section) is not None:
+        return "explicit"
+    if section.auto and _slurm_tasks() > 1:
+        return "slurm"
+    if section.auto and _on_cloud_tpu_vm():
+        return "tpu"
+    return "none"
+
+
+def initialize(section: DistributedSection) -> How:
+    """Joins the multi-process run this process belongs to, if any; returns how it was
+    detected. Call before any JAX computation (and before `jax.devices()`)."""
+    how = detect(section)
+    if how in ("none", "already"):
+        return how
+    # CPU processes exchange collectives over TCP; without this a CPU run of several
+    # processes cannot run a program that spans them. Other backends ignore it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(initialization_timeout=section.initialization_timeout_s,
+                    heartbeat_timeout_seconds=section.heartbeat_timeout_s)
+    if how == "explicit":
+        s = explicit_settings(section)
+        jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id,
+                                   **timeouts)
+    else:
+        jax.distributed.initialize(**timeouts)  # JAX reads the SLURM / TPU environment
+    return how
