@@ -1,0 +1,192 @@
+"""Real multi-process runs on CPU (`launch/local_multiprocess.sh`, gloo collectives): the
+quickstart as 2 processes x 4 devices computes what 1 process x 8 devices does, checkpoints
+move between process counts, and a process that dies takes the others down in bounded time.
+
+The one-process reference runs through the same launcher (jax.distributed with one process),
+so both sides reduce over gloo: XLA's in-process CPU all-reduce adds the 8 devices' partial
+sums in another order than gloo does (a column sum of 8 shards differed in its last bits), so
+bit-equality is only defined between runs that use the same collectives.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxrl.train.metrics_log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "launch" / "local_multiprocess.sh"
+QUICKSTART = "configs/quickstart.yaml"
+# The quickstart as README runs it, over 8 devices (fsdp), 3 steps, without the extras that
+# only cost time (FLOP counting, evaluation, plots).
+RUN = ["sharding.layout=fsdp", "train.max_steps=3", "train.checkpoint_every=2",
+       "perf.count_flops=false", "eval.num_prompts=0", "log.plot=false",
+       "log.tensorboard=false", "log.print_every=1"]
+TIMING = ("time/", "perf/tokens_per_s", "perf/mfu", "perf/hfu")
+TIMEOUT_S = 400
+
+
+def _env(log_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAXRL_BIN=str(Path(sys.executable).parent / "jaxrl"),
+               JAXRL_LOG_DIR=str(log_dir), JAXRL_GRACE_S="30")
+    return env
+
+
+def _launch(processes: int, run_dir: Path, *overrides: str, env: dict | None = None
+            ) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(LAUNCHER), str(processes), QUICKSTART, *RUN, f"train.run_dir={run_dir}",
+         *overrides], cwd=ROOT, env={**_env(run_dir.parent / f"{run_dir.name}-logs"),
+                                     **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=TIMEOUT_S)
+    assert process.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    return err
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)}
+            for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def _params_hash(run_dir: Path) -> str:
+    """SHA-256 of the final parameters, as saved (HF safetensors, float32)."""
+    return hashlib.sha256((run_dir / "final_model" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _rewind(run_dir: Path, copy: Path) -> Path:
+    """A copy of a finished 3-step run dir whose newest checkpoint (3) is removed: resuming
+    it restores checkpoint 2 and runs step 2 again."""
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("final_model"))
+    shutil.rmtree(copy / "checkpoints" / "3")
+    return copy
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 3-step quickstart as 1 process x 8 devices and as 2 processes x 4 devices."""
+    base = tmp_path_factory.mktemp("multiprocess")
+    one, two = _launch(1, base / "one"), _launch(2, base / "two")
+    _finish(one)
+    err = _finish(two)
+    assert "2 processes x 4 CPU devices" in err
+    return base / "one", base / "two"
+
+
+def test_two_processes_give_the_metrics_and_parameters_of_one(runs):
+    one, two = runs
+    got, want = _metrics(two), _metrics(one)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    assert len(got[0]) >= 15 and "loss/policy" in got[0]
+    assert got == want  # every metric but wall-clock times, float for float
+    assert _params_hash(two) == _params_hash(one)
+    # Only process 0 wrote run files: one metrics line per step.
+    assert len(read_metrics(two / "metrics.jsonl")) == 3
+
+
+def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs, tmp_path):
+    one, two = runs
+    # Written by 2 processes, restored by 1 ...
+    from_two = _rewind(two, tmp_path / "from_two")
+    err = _finish(_launch(1, from_two))
+    assert "from the checkpoint at step 2" in err
+    # ... and written by 1, restored by 2.
+    from_one = _rewind(one, tmp_path / "from_one")
+    err = _finish(_launch(2, from_one))
+    assert "from the checkpoint at step 2" in err
+    for resumed in (from_two, from_one):
+        assert _metrics(resumed) == _metrics(one)
+        assert _params_hash(resumed) == _params_hash(one)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_process_ends_the_others_with_an_error(tmp_path):
+    """SIGKILL one of two processes mid-run: the other must not wait forever in a collective;
+    the coordinator's health check ends it within distributed.heartbeat_timeout_s."""
+    heartbeat_s, port = 10, _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "jaxrl.cli", "train", QUICKSTART, *RUN,
+         "train.max_steps=100000", "train.checkpoint_every=0",
+         f"distributed.heartbeat_timeout_s={heartbeat_s}", f"train.run_dir={tmp_path / 'run'}"],
+        cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    survivor, victim = processes
+    try:
+        metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert survivor.poll() is None and victim.poll() is None, survivor.stderr.read()
+            assert time.monotonic() < deadline, "the run did not start in time"
+            time.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = survivor.communicate(timeout=heartbeat_s * 6 + 60)
+        waited = time.monotonic() - killed_at
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert survivor.returncode != 0
+    # In a collective with the dead process (gloo sees the connection close): jaxrl's error;
+    # elsewhere (compiling, on the host): the health check's, after the heartbeat timeout.
+    assert ("lost contact with another process of this run" in err
+            or "another task died" in err), err[-3000:]
+    assert waited < heartbeat_s * 6 + 60
+    print(f"survivor exited {waited:.1f}s after the kill (heartbeat timeout {heartbeat_s}s):\n"
+          f"{err[-1500:]}")
+
+
+def test_python_rewards_are_scored_by_each_process_on_its_own_rows(tmp_path):
+    """A custom task with a Python reward: 2 processes (split mode, chosen for them) give the
+    metrics and parameters of 1 (fused); each process scored only its half of every batch,
+    and every sample got its own row's answer."""
+    from tests.test_shipped_configs import _tiny_model_dir
+
+    model = _tiny_model_dir(tmp_path / "model", "qwen2")
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tom has {a} apples and buys {b} more.",
+                                        "answer": str(a + b)}) + "\n"
+                            for a in range(1, 5) for b in range(10, 14)), encoding="utf-8")
+    task = [f"model.path={model}", "data.task=custom", f"data.source={data}",
+            "data.fields=[answer]", "data.reward_fn=tests.distributed.reward_probe:own_answer",
+            "data.chat_template=false", "data.max_prompt_len=48", "data.batch_size=8",
+            "rollout.num_generations=4", "rollout.max_new_tokens=6", "algo.num_minibatches=2",
+            "train.max_steps=2", "train.checkpoint_every=0"]
+    launched = {}
+    for n in (1, 2):
+        probe = tmp_path / f"probe{n}"
+        probe.mkdir()
+        launched[n] = _launch(n, tmp_path / f"run{n}", *task, env={
+            "JAXRL_REWARD_PROBE_DIR": str(probe), "PYTHONPATH": str(ROOT)})
+    errors = {n: _finish(p) for n, p in launched.items()}
+    assert "algo.mode: split (Python rewards on 2 processes" in errors[2]
+    assert _metrics(tmp_path / "run2") == _metrics(tmp_path / "run1")
+    assert _params_hash(tmp_path / "run2") == _params_hash(tmp_path / "run1")
+    for n in (1, 2):
+        logs = sorted((tmp_path / f"probe{n}").glob("*.jsonl"))
+        calls = [[json.loads(line) for line in f.read_text().splitlines()] for f in logs]
+        assert len(logs) == n  # n processes scored
+        # 2 steps x 8 prompts x 4 samples, split evenly between the processes.
+        assert [len(c) for c in calls] == [2 * 8 * 4 // n] * n
+        assert all(r["matched"] for c in calls for r in c)
