@@ -29,13 +29,14 @@ EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_FAILED = 1
 
 
-def _join(cfg, console: Console) -> None:
+def _join(cfg, console: Console, *, preemption: bool = False) -> None:
     """Joins the run's other processes, if it has any (`jaxrl.distributed.setup`), before
-    anything touches a JAX backend; every process but 0 then prints nothing but errors."""
+    anything touches a JAX backend; every process but 0 then prints nothing but errors.
+    `preemption`: SIGTERM stops all processes after one step (train) instead of ending one."""
     from jaxrl.distributed import initialize, is_main
 
     try:
-        initialize(cfg.distributed)
+        initialize(cfg.distributed, preemption=preemption)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not is_main():
@@ -73,7 +74,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     # Without a config file, train runs the quickstart (shipped inside the package).
     path = args.config or str(shipped_config("quickstart.yaml"))
     cfg = load_config(ExperimentConfig, path, args.overrides)
-    _join(cfg, console)
+    _join(cfg, console, preemption=True)
     _emit(run_train(cfg, console, path))
     return 0
 

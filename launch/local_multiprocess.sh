@@ -19,11 +19,13 @@
 #   JAXRL_LOG_DIR      where processes 1..N-1 write their output, process-<i>.log (default: a
 #                      new temporary directory); process 0's output comes to this terminal
 #   JAXRL_GRACE_S      after one process fails, seconds the others get to exit on their own
-#                      (JAX's health check ends them) before they are killed (default 60)
+#                      (JAX's health check ends them within distributed.heartbeat_timeout_s,
+#                      default 100) before they are killed (default 120)
 #
 # Exit status: 0 when every process succeeds, else the status of the first that failed (its
-# log's last lines are shown). Ctrl-C or SIGTERM is passed on to every process (SIGTERM: the
-# run stops after the step in flight with a checkpoint, as on a preempted cluster).
+# log's last lines are shown). SIGTERM, and Ctrl-C, reach every process as SIGTERM: a training
+# run stops after a step, all processes after the same one, with a checkpoint (as on a
+# preempted cluster), and exits 0; a second Ctrl-C kills them.
 set -euo pipefail
 
 usage() {
@@ -48,8 +50,12 @@ if ! [[ $devices =~ ^[1-9][0-9]*$ ]] || ((devices % num_processes)); then
 fi
 per_process=$((devices / num_processes))
 command=${JAXRL_COMMAND:-train}
+case $command in
+  train | eval | bench) ;;
+  *) echo "error: JAXRL_COMMAND must be train, eval or bench, got '$command'" >&2; exit 2 ;;
+esac
 jaxrl_bin=${JAXRL_BIN:-jaxrl}
-grace=${JAXRL_GRACE_S:-60}
+grace=${JAXRL_GRACE_S:-120}
 command -v "$jaxrl_bin" >/dev/null || {
   echo "error: '$jaxrl_bin' not found; activate the venv (. .venv/bin/activate) or set JAXRL_BIN" >&2
   exit 2
@@ -82,9 +88,20 @@ if ((num_processes > 1)); then
     "127.0.0.1:$port; processes 1..$((num_processes - 1)) log to $log_dir" >&2
 fi
 
+# Background processes of a script ignore SIGINT, so Ctrl-C is passed on as SIGTERM (jaxrl
+# stops after a step with a checkpoint); a second Ctrl-C kills them.
+interrupts=0
 # shellcheck disable=SC2329  # called by the traps below
 forward() {
-  kill "-$1" "${pids[@]}" 2>/dev/null || true
+  if [[ $1 == INT ]]; then
+    interrupts=$((interrupts + 1))
+    if ((interrupts > 1)); then
+      kill -KILL "${pids[@]}" 2>/dev/null || true
+      return
+    fi
+    echo "local_multiprocess: stopping after the current step (Ctrl-C again to kill)" >&2
+  fi
+  kill -TERM "${pids[@]}" 2>/dev/null || true
 }
 trap 'forward INT' INT
 trap 'forward TERM' TERM
@@ -101,7 +118,7 @@ while ((${#running[@]} > 0)); do
   wait -n -p finished "${!running[@]}"
   rc=$?
   set -e
-  [[ -n $finished ]] || continue # a trapped signal interrupted wait
+  [[ -n ${finished:-} ]] || continue # a trapped signal interrupted wait (it unsets finished)
   i=${running[$finished]}
   unset "running[$finished]"
   remaining=${#running[@]}

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxrl.config import ConfigError, RunDirError
+from jaxrl.distributed import is_main
 from jaxrl.perf import format_bytes, format_flops, memory_bandwidth, utilization
 from jaxrl.train.experiment import ExperimentConfig
 from jaxrl.train.metrics_log import MetricsLog, to_record
@@ -87,6 +88,8 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
 
     records: list[dict[str, Any]] = []
     profile_dir = run_dir / PROFILE_DIR if profile else None
+    if profile_dir is not None and jax.process_count() > 1:
+        profile_dir = profile_dir / f"process-{jax.process_index()}"  # a trace per process
     log = MetricsLog(run_dir, tensorboard=False)
     tracing = False
     try:
@@ -118,7 +121,8 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
             console.print(f"[bold]profile[/]: {profile_dir} (tensorboard --logdir "
                           f"{profile_dir}, or XProf / Perfetto)")
     result = _result(cfg, run, pre, records, config_path, warmup, profile_dir)
-    (run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
+    if is_main():  # one writer; the other processes' host timings are their own
+        (run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
     console.print(_table(result))
     return result
 

@@ -159,8 +159,8 @@ class PromptBatches:
     each step's positions, by default uniform epochs (`none`).
 
     Every process draws the same global batch of `batch_size` prompts and yields its contiguous
-    slice of rows: [i*B/P, (i+1)*B/P) by process index, or the rows its devices hold
-    (`use_rows`); `observe` takes the global batch's positions (`all_positions_B`) and
+    rows: [i*B/P, (i+1)*B/P) by process index, or the rows its devices hold (`use_rows`);
+    `observe` takes the global batch's positions (`all_positions_B`) and
     success, so all processes' samplers stay in step.
     """
 
@@ -179,18 +179,20 @@ class PromptBatches:
             len(ids_NxP), batch_size, seed, stats)
         self.batches_per_epoch = len(ids_NxP) // batch_size
         local = batch_size // process_count
-        self._slice = slice(process_index * local, (process_index + 1) * local)
+        self._rows = slice(process_index * local, (process_index + 1) * local)
         self.sampler: PromptSampler = EpochSampler(self.num_prompts, batch_size, seed)
         if sampler is not None:
             self.use_sampler(sampler)
 
-    def use_rows(self, rows: slice) -> None:
-        """Yield rows [rows.start, rows.stop) of every batch (this process's devices' rows)."""
-        start, stop, _ = rows.indices(self.batch_size)
-        if rows.step not in (None, 1) or stop <= start or rows.stop > self.batch_size:
-            raise ValueError(f"rows must be a contiguous non-empty slice of the "
-                             f"{self.batch_size} rows of a batch, got {rows}")
-        self._slice = slice(start, stop)
+    def use_rows(self, rows_b: np.ndarray) -> None:
+        """Yield these rows of every batch (the rows this process's devices hold, ascending)."""
+        rows_b = np.asarray(rows_b)
+        if (rows_b.ndim != 1 or not len(rows_b) or rows_b.dtype.kind not in "iu"
+                or rows_b.min() < 0 or rows_b.max() >= self.batch_size
+                or (np.diff(rows_b) <= 0).any()):
+            raise ValueError(f"rows must be ascending row indices of a batch of "
+                             f"{self.batch_size}, got {rows_b!r}")
+        self._rows = rows_b
 
     def use_sampler(self, sampler: PromptSampler) -> None:
         """Draw with `sampler` (e.g. `make_prompt_sampler(cfg.data.curriculum, ...)`) from now
@@ -214,7 +216,7 @@ class PromptBatches:
 
     def __next__(self) -> PromptBatch:
         all_B = self.sampler.draw()
-        take_B = all_B[self._slice]
+        take_B = all_B[self._rows]
         return PromptBatch(ids_BxP=self.ids_NxP[take_B], mask_BxP=self.mask_NxP[take_B],
                            rows_B=self.rows_N[take_B], positions_B=take_B,
                            fields={c: [v[i] for i in take_B] for c, v in self.fields.items()},

@@ -4,13 +4,16 @@ does nothing special, in a single process).
     is_main()                    process 0: the one that logs, prints and writes run files
     sync(name)                   every process waits here until all have arrived
     broadcast(obj)               process 0's JSON-able value, on every process
+    failed_processes(ok)         which processes report failure (all take the same branch)
     local_rows(x_BxN)            the leading-axis rows of a global array held by this process
-    process_rows(sharding, shape)  the slice of leading-axis rows that is this process's
+    process_rows(sharding, shape)  the row indices this process's devices hold
     from_local_rows(sharding, local, shape)  a global array from every process's own rows
 
-A batch is split over the mesh's batch axes; with the devices ordered process by process
-(`jaxrl.sharding.make_mesh`), each process holds one contiguous block of rows. The helpers
-check that and fail with the block they found otherwise.
+A batch is split over the mesh's batch axes; a process holds the rows of its devices' shards.
+With the devices ordered process by process (`jaxrl.sharding.make_mesh` on GPU and CPU) they
+are one contiguous block; a TPU slice's topology order may interleave hosts, and then they
+are several blocks, taken in ascending order (as `make_array_from_process_local_data` lays
+out local data).
 """
 
 from __future__ import annotations
@@ -46,53 +49,52 @@ def broadcast(obj: Any) -> Any:
     return json.loads(out.tobytes().decode())
 
 
-def _row_blocks(index_map: dict[jax.Device, tuple[slice, ...]], rows: int, axis: int) -> slice:
-    """The one contiguous block of rows (along `axis`) covered by the devices of `index_map`."""
-    spans = sorted({index[axis].indices(rows)[:2] for index in index_map.values()})
-    start, stop = spans[0][0], spans[0][1]
-    for a, b in spans[1:]:
-        if a > stop:
-            raise ValueError(f"process {jax.process_index()} holds the rows {spans} of a batch of "
-                             f"{rows}, not one contiguous block: place the batch axes of the mesh "
-                             f"so that each host's devices are adjacent (layout key `hosts`)")
-        stop = max(stop, b)
-    return slice(start, stop)
+def failed_processes(ok: bool) -> list[int]:
+    """The processes that passed `ok=False` (every process must call it): one collective
+    answer to "did it work everywhere?", so that all processes take the same branch."""
+    if jax.process_count() == 1:
+        return [] if ok else [0]
+    ok_P = np.asarray(multihost_utils.process_allgather(np.int32(bool(ok))))
+    return [int(p) for p in np.flatnonzero(ok_P == 0)]
 
 
 def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int = 0
-                 ) -> slice:
-    """The rows [start, stop) along `axis` of an array of `shape` on `sharding` that this
-    process holds."""
-    return _row_blocks(sharding.addressable_devices_indices_map(tuple(shape)), shape[axis], axis)
+                 ) -> np.ndarray:
+    """The indices along `axis` of the rows of an array of `shape` on `sharding` that this
+    process's devices hold, ascending: the order of its local data."""
+    n = shape[axis]
+    spans = sorted({index[axis].indices(n)[:2]
+                    for index in sharding.addressable_devices_indices_map(tuple(shape)).values()})
+    return np.concatenate([np.arange(a, b) for a, b in spans])
 
 
 def local_rows(x: jax.Array, axis: int = 0) -> np.ndarray:
-    """This process's rows of `x` along `axis`, as one numpy array, in row order."""
+    """This process's rows of `x` along `axis` (`process_rows`), as one numpy array."""
     if x.is_fully_addressable:
         return np.asarray(x)
     rows = process_rows(x.sharding, x.shape, axis)
+    slot = {int(r): i for i, r in enumerate(rows)}
     shape = list(x.shape)
-    shape[axis] = rows.stop - rows.start
+    shape[axis] = len(rows)
     out = np.empty(shape, x.dtype)
     for shard in x.addressable_shards:
         index = list(shard.index)
         start, stop = index[axis].indices(x.shape[axis])[:2]
-        index[axis] = slice(start - rows.start, stop - rows.start)
+        index[axis] = slice(slot[start], slot[start] + stop - start)
         out[tuple(index)] = np.asarray(shard.data)
     return out
 
 
 def from_local_rows(sharding: jax.sharding.Sharding, local: np.ndarray,
                     shape: tuple[int, ...], axis: int = 0) -> jax.Array:
-    """The global array of `shape` on `sharding` whose rows along `axis`
-    (`process_rows(sharding, shape, axis)`) are this process's `local`: every process
-    passes its own."""
+    """The global array of `shape` on `sharding` whose rows `process_rows(sharding, shape,
+    axis)` are this process's `local` (every process passes its own)."""
+    expected = list(shape)
+    expected[axis] = len(process_rows(sharding, shape, axis))
+    if local.shape != tuple(expected):
+        raise ValueError(f"process {jax.process_index()} holds {expected[axis]} of the "
+                         f"{shape[axis]} rows (axis {axis}) of {tuple(shape)}, but got local data "
+                         f"of shape {local.shape}")
     if jax.process_count() == 1:
         return jax.device_put(local, sharding)
-    rows = process_rows(sharding, shape, axis)
-    expected = list(shape)
-    expected[axis] = rows.stop - rows.start
-    if local.shape != tuple(expected):
-        raise ValueError(f"process {jax.process_index()} holds rows {rows.start}..{rows.stop - 1} "
-                         f"(axis {axis}) of {shape}, but got local data of shape {local.shape}")
     return jax.make_array_from_process_local_data(sharding, local, shape)

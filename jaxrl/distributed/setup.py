@@ -13,12 +13,12 @@ right after reading the config. Which processes form the run:
     SLURM      SLURM_NTASKS > 1 (an `srun` of several tasks): JAX reads the job's
                environment (coordinator: the first node; one GPU per task unless
                JAX_LOCAL_DEVICE_IDS says otherwise, `launch/slurm_gpu.sbatch`).
-    TPU VM     a Cloud TPU VM (libtpu sees TPU chips): JAX finds the slice's workers, and
-               the slices of a multislice job, from the VM's metadata and environment.
+    TPU VM     a Cloud TPU VM whose slice has several workers (or a multislice): JAX finds
+               them from the VM's metadata and environment. A single-host TPU VM runs alone.
     none       otherwise: one process over the local devices, no initialize.
 
 `distributed.auto: false` turns the SLURM and TPU detection off (an `srun` that starts one
-jaxrl per task on purpose, say). On CPU the processes' collectives go over gloo (TCP).
+independent jaxrl per task on purpose, say). On CPU the processes' collectives go over gloo (TCP).
 
 When a process dies, the others learn it from the coordinator's health checks within
 `distributed.heartbeat_timeout_s` and exit with JAX's "another task died" error instead of
@@ -118,19 +118,31 @@ def explicit_settings(section: DistributedSection) -> Explicit | None:
     return settings
 
 
+_SLURM_STEP = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+               "SLURM_LOCALID")  # what JAX's SLURM detection reads: set inside an srun step
+
+
 def _slurm_tasks() -> int:
-    if "SLURM_JOB_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+    """The tasks of this SLURM job step (0: not inside an srun step)."""
+    if not all(name in os.environ for name in _SLURM_STEP):
         return 0
     return _env_int("SLURM_STEP_NUM_TASKS") or _env_int("SLURM_NTASKS") or 0
 
 
-def _on_cloud_tpu_vm() -> bool:
-    """Whether libtpu sees TPU chips on this machine (what JAX's own TPU setup checks)."""
+def _tpu_processes() -> int:
+    """The workers of the TPU slice(s) this Cloud TPU VM belongs to (0: not a TPU VM, or
+    unknown), as JAX's own cluster detection counts them (the VM's metadata, or the
+    TPU_WORKER_HOSTNAMES / MEGASCALE_* environment of GKE and multislice). Those classes are
+    JAX internals, hence the guard: without them a pod slice needs explicit settings."""
     try:
-        from jax._src import hardware_utils  # JAX's PCI scan; private, hence the guard
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+        from jax._src.clusters import cloud_tpu_cluster as tpu
+
+        for cluster in (tpu.GkeTpuCluster, tpu.GceTpuCluster):
+            if cluster.is_env_present():
+                return int(cluster.get_process_count())
     except Exception:
-        return False
+        pass
+    return 0
 
 
 def detect(section: DistributedSection) -> How:
@@ -141,17 +153,23 @@ def detect(section: DistributedSection) -> How:
         return "explicit"
     if section.auto and _slurm_tasks() > 1:
         return "slurm"
-    if section.auto and _on_cloud_tpu_vm():
+    if section.auto and _tpu_processes() > 1:
         return "tpu"
     return "none"
 
 
-def initialize(section: DistributedSection) -> How:
+def initialize(section: DistributedSection, *, preemption: bool = True) -> How:
     """Joins the multi-process run this process belongs to, if any; returns how it was
-    detected. Call before any JAX computation (and before `jax.devices()`)."""
+    detected. Call before any JAX computation (and before `jax.devices()`).
+
+    `preemption`: run JAX's preemption service, which takes over SIGTERM for the life of the
+    process so that all processes stop after the same step (`jaxrl.train.preemption`); off,
+    SIGTERM ends the process as usual (commands that do not checkpoint).
+    """
     how = detect(section)
     if how in ("none", "already"):
         return how
+    jax.config.update("jax_enable_preemption_service", preemption)
     # CPU processes exchange collectives over TCP; without this a CPU run of several
     # processes cannot run a program that spans them. Other backends ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -16,11 +16,16 @@ no checkpoint that looks whole. The last `keep` checkpoints are kept.
 target's sharding, so a run saved on one mesh layout resumes on another (the step programs
 are compiled for exactly those shardings). When the newest checkpoint cannot be read
 (truncated or missing files), it warns and falls back to the one before.
+
+Several processes: every process writes and reads its own shards, so saves and restores are
+collective; a checkpoint counts as read only when every process read its part, and all fall
+back together (one process on another step than the others would mix two states).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl import __version__
+from jaxrl.distributed import failed_processes
 
 logger = logging.getLogger("jaxrl.checkpoint")
 
@@ -99,11 +105,11 @@ class Checkpoints:
         warning when no step was asked for; RestoreError when none can be read."""
         steps = self.steps()
         if step is not None:
-            return self._restore(self._existing(step, steps), target)
+            return self._everywhere(step, self._restore, self._existing(step, steps), target)
         errors = []
         for candidate in reversed(steps):
             try:
-                return self._restore(candidate, target)
+                return self._everywhere(candidate, self._restore, candidate, target)
             except Exception as e:  # orbax/tensorstore raise many kinds on damaged files
                 errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:300]}")
                 logger.warning("checkpoint %d in %s cannot be read (%s: %s); falling back to "
@@ -113,6 +119,22 @@ class Checkpoints:
             raise RestoreError(f"no checkpoint in {self.directory} could be read:\n  "
                                   + "\n  ".join(errors))
         return None
+
+    @staticmethod
+    def _everywhere(step: int, read: Any, *args: Any) -> Any:
+        """`read(*args)` on this process, but a success only when it succeeded on every process
+        (module docstring); otherwise this process's error, or a RestoreError naming the
+        processes that failed."""
+        try:
+            result, error = read(*args), None
+        except Exception as e:
+            result, error = None, e
+        failed = failed_processes(error is None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RestoreError(f"checkpoint {step} could not be read by process(es) {failed}")
+        return result
 
     def _existing(self, step: int, steps: list[int]) -> int:
         if step not in steps:
@@ -140,8 +162,9 @@ class Checkpoints:
         if not steps:
             raise RestoreError(f"no checkpoints in {self.directory}")
         step = self._existing(steps[-1] if step is None else step, steps)
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target)))))
+        args = ocp.args.Composite(
+            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target))))
+        out = self._everywhere(step, functools.partial(self._manager.restore, args=args), step)
         state = jax.tree.map(lambda x: x, target)
         nnx.replace_by_pure_dict(state, out.model)
         return step, state

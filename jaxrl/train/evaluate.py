@@ -51,6 +51,7 @@ from jaxrl.rollout import Rollout, Sampler, SamplerConfig
 from jaxrl.sharding import AxisRules
 from jaxrl.train.experiment import EvalSection
 from jaxrl.train.phases import reward_inputs
+from jaxrl.train.step import score_host_rows
 
 if TYPE_CHECKING:
     from jaxrl.train.run import Run
@@ -118,7 +119,17 @@ class Evaluator:
             return rewards.score(reward_inputs(rollout, fields_B, rows_B, n))[0]
 
         # Replicated: every process reads all the totals (they are few).
-        self._score = jax.jit(score, out_shardings=NamedSharding(run.mesh, PartitionSpec()))
+        replicated = NamedSharding(run.mesh, PartitionSpec())
+        self._score = jax.jit(score, out_shardings=replicated)
+        self._host_rows = None
+        if rewards.python_rewards and jax.process_count() > 1:
+            # As in training: each process scores its own rows with the Python rewards
+            # (in the program, one callback would score them all on process 0).
+            self._inputs = jax.jit(lambda rollout, fields_B, rows_B: reward_inputs(
+                rollout, fields_B, rows_B, n))
+            self._total = jax.jit(lambda inputs, host_values: rewards.score(
+                inputs, host_values)[0], out_shardings=replicated)
+            self._host_rows = functools.partial(score_host_rows, rewards, mesh=run.mesh)
 
     @property
     def num_prompts(self) -> int:
@@ -142,7 +153,12 @@ class Evaluator:
                 ids_NxP[take_B], mask_NxP[take_B], rows_N[take_B],
                 run.task.device_fields(run.tokenizer, fields))
             rollout = self.sampler.generate(params, prompts_B, _prompt_keys(key, take_B))
-            total_BxS = np.asarray(self._score(rollout, fields_B, rows_B)).reshape(batch, n)
+            if self._host_rows is None:
+                total = self._score(rollout, fields_B, rows_B)
+            else:
+                inputs = self._inputs(rollout, fields_B, rows_B)
+                total = self._total(inputs, self._host_rows(inputs))
+            total_BxS = np.asarray(total).reshape(batch, n)
             totals.append(total_BxS[:min(batch, num - start)])
         total_NxS = np.concatenate(totals)
         c_N = np.sum(total_NxS >= self.max_total - 1e-6, axis=1)

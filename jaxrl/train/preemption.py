@@ -9,8 +9,11 @@ can only be installed from the main thread; elsewhere the request is inert (neve
 
 In a run of several processes (jax.distributed), each host may get its SIGTERM at a different
 step, yet all must stop after the same one and write one checkpoint together: JAX's preemption
-service (its own SIGTERM handler, so none is installed here) agrees on that step, and
-`requested(step)` turns true on every process at it.
+service (its own SIGTERM handler, installed for the life of the process, so none is installed
+here) agrees on that step, and `requested(step)` turns true on every process at it. The
+agreement takes a step or two, so the run stops a little after the step in flight. With the
+service off (JAX_ENABLE_PREEMPTION_SERVICE=false) a multi-process run gets no handler: SIGTERM
+ends a process, and the health check the others.
 """
 
 from __future__ import annotations
@@ -38,14 +41,13 @@ class StopRequest:
     def requested(self, step: int) -> bool:
         """Whether to stop after step `step`; call once per step, steps in order (all
         processes of a multi-process run get the same answer at the same step)."""
-        if jax.distributed.is_initialized() and multihost_utils.reached_preemption_sync_point(
-                step):
+        if _jax_service() and multihost_utils.reached_preemption_sync_point(step):
             self.signal = self.signal or "SIGTERM"
         return self.signal is not None
 
     def __enter__(self) -> StopRequest:
-        if jax.distributed.is_initialized():
-            return self  # JAX's preemption service handles SIGTERM (module docstring)
+        if _jax_service() or jax.distributed.is_initialized() and jax.process_count() > 1:
+            return self  # JAX's preemption service handles SIGTERM, or none (module docstring)
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -55,3 +57,8 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _jax_service() -> bool:
+    """Whether JAX's preemption service runs (it starts with jax.distributed when enabled)."""
+    return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)

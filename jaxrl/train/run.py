@@ -14,9 +14,10 @@ Nothing here runs a step; a bad value (a missing column, a prompt set that does 
 fails here, before anything compiles.
 
 Several processes: each builds the same run; process 0 alone writes files (the random
-policy), and each process draws, tokenizes and places only its own rows of every batch
-(`process_rows` of the batch sharding); Python rewards then score those rows in each
-process (split mode).
+policy). Every process tokenizes the whole prompt set and draws the same batch positions each
+step (so the curriculum stays in step), but takes and places only the rows its devices hold
+(`process_rows` of the batch sharding); Python rewards then score those rows in each process
+(split mode).
 """
 
 from __future__ import annotations
@@ -148,9 +149,10 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
                             attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
     model_config = model.config
+    processes = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
     console.print(f"[bold]policy[/]: {model_config.model_type}, "
                   f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
-                  f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}")
+                  f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}")
 
     try:
         batches = PromptSource(

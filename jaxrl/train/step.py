@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -64,7 +65,8 @@ from jaxrl.train.phases import (
     train_on,
 )
 
-__all__ = ["SIGNAL_KEY", "SUCCESS_KEY", "Step", "StepConfig", "build_step"]
+__all__ = ["SIGNAL_KEY", "SUCCESS_KEY", "Step", "StepConfig", "build_step",
+           "host_reward_shardings", "score_host_rows"]
 
 Metrics = dict[str, jax.Array]
 # Not scalar metrics: each prompt's success and learning signal, for the curriculum (the
@@ -81,6 +83,39 @@ def prompt_success(rewards: RewardSet, rewards_B: jax.Array, group_size: int) ->
     max_total = sum(max(r.weight, 0.0) for r in rewards.rewards)
     solved_B = rewards_B >= max_total - 1e-6
     return jnp.mean(solved_B.reshape(-1, group_size), axis=1, dtype=jnp.float32)
+
+
+def host_reward_shardings(mesh: Mesh | None, completions: jax.sharding.Sharding
+                          ) -> tuple[jax.sharding.Sharding | None, jax.sharding.Sharding | None]:
+    """Shardings of the host rewards' (values_KxB, errors_B): rows split like the
+    completions' (None, unconstrained, without a mesh)."""
+    if mesh is None:
+        return None, None
+    rows = completions.spec[0] if isinstance(completions, NamedSharding) and len(
+        completions.spec) else None
+    return NamedSharding(mesh, PartitionSpec(None, rows)), NamedSharding(mesh, PartitionSpec(rows))
+
+
+def score_host_rows(rewards: RewardSet, inputs: RewardInputs, mesh: Mesh | None
+                    ) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray]:
+    """`rewards.score_host` of the rows this process holds, as global arrays (values_KxB,
+    errors_B) with rows split like the completions: in a run of several processes each
+    scores only its own rows (single process: all of them, as numpy arrays)."""
+    if jax.process_count() == 1:
+        return rewards.score_host(inputs)
+    local = RewardInputs(*(local_rows(x) for x in (
+        inputs.prompt_ids_BxP, inputs.prompt_mask_BxP, inputs.completion_ids_BxC,
+        inputs.completion_mask_BxC)), fields={}, rows_B=local_rows(inputs.rows_B))
+    values_Kxb, errors_b = rewards.score_host(local)
+    ids = inputs.completion_ids_BxC
+    values_sharding, errors_sharding = host_reward_shardings(mesh, ids.sharding)
+    if not np.array_equal(process_rows(ids.sharding, ids.shape),
+                          process_rows(errors_sharding, ids.shape[:1])):
+        raise ValueError(f"completion rows are sharded as {ids.sharding}, which is not a "
+                         f"split of rows over mesh axes")
+    k, b = values_Kxb.shape[0], ids.shape[0]
+    return (from_local_rows(values_sharding, values_Kxb, (k, b), axis=1),
+            from_local_rows(errors_sharding, errors_b, (b,)))
 
 
 class Step:
@@ -118,7 +153,8 @@ class Step:
             return fused(state, prompts, fields_P, rows_P, key, ref_params)
         rollout, inputs = self._compiled.get("generate", self._generate)(
             state, prompts, fields_P, rows_P, key)
-        host_values = self._score_host(inputs) if self.rewards.python_rewards else None
+        host_values = (score_host_rows(self.rewards, inputs, self.mesh)
+                       if self.rewards.python_rewards else None)
         return self._compiled.get("train", self._train)(state, rollout, inputs, host_values,
                                                         ref_params)
 
@@ -138,42 +174,13 @@ class Step:
         host_values = None
         if self.rewards.python_rewards:
             k, b = len(self.rewards.python_rewards), shapes[0].completion_ids_BxC.shape[0]
-            values_sharding, errors_sharding = self._host_shardings(
-                generate.output_shardings[0].completion_ids_BxC)
+            values_sharding, errors_sharding = host_reward_shardings(
+                self.mesh, generate.output_shardings[0].completion_ids_BxC)
             host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32, sharding=values_sharding),
                            jax.ShapeDtypeStruct((b,), jnp.float32, sharding=errors_sharding))
         train = self._train.lower(state, *outputs, host_values, ref_params).compile()
         self._compiled = {"generate": generate, "train": train}
         return dict(self._compiled)
-
-    def _score_host(self, inputs: RewardInputs) -> tuple[jax.Array, jax.Array]:
-        """The Python rewards of the rows this process holds, as global arrays: (values_KxB,
-        errors_B), rows split like the completions (each process scores its own)."""
-        if jax.process_count() == 1:
-            return self.rewards.score_host(inputs)
-        local = RewardInputs(*(local_rows(x) for x in (
-            inputs.prompt_ids_BxP, inputs.prompt_mask_BxP, inputs.completion_ids_BxC,
-            inputs.completion_mask_BxC)), fields={}, rows_B=local_rows(inputs.rows_B))
-        values_Kxb, errors_b = self.rewards.score_host(local)
-        ids = inputs.completion_ids_BxC
-        values_sharding, errors_sharding = self._host_shardings(ids.sharding)
-        if process_rows(ids.sharding, ids.shape) != process_rows(errors_sharding, ids.shape[:1]):
-            raise ValueError(f"completion rows are sharded as {ids.sharding}, which is not a "
-                             f"split of rows over mesh axes")
-        k, b = values_Kxb.shape[0], ids.shape[0]
-        return (from_local_rows(values_sharding, values_Kxb, (k, b), axis=1),
-                from_local_rows(errors_sharding, errors_b, (b,)))
-
-    def _host_shardings(self, completions: jax.sharding.Sharding
-                        ) -> tuple[jax.sharding.Sharding | None, jax.sharding.Sharding | None]:
-        """Shardings of the host rewards' (values_KxB, errors_B): rows split like the
-        completions' (None, unconstrained, without a mesh)."""
-        if self.mesh is None:
-            return None, None
-        rows = completions.spec[0] if isinstance(completions, NamedSharding) and len(
-            completions.spec) else None
-        return (NamedSharding(self.mesh, PartitionSpec(None, rows)),
-                NamedSharding(self.mesh, PartitionSpec(rows)))
 
     def num_compilations(self) -> int | None:
         """Programs compiled for the step so far (1 per program when nothing recompiled)."""

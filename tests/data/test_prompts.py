@@ -222,6 +222,19 @@ def test_processes_take_contiguous_slices_of_the_same_global_batch(kind):
         assert first.fields["k"] + second.fields["k"] == single[step].tolist()
 
 
+def test_use_rows_takes_those_rows_of_every_batch_and_reports_the_whole_batch():
+    whole, part = synthetic_batches(), synthetic_batches()
+    part.use_rows(np.array([0, 3]))
+    for _ in range(3):
+        a, b = next(whole), next(part)
+        assert b.positions_B.tolist() == a.positions_B[[0, 3]].tolist()
+        assert b.ids_BxP.shape == (2, 2) and b.fields["k"] == b.positions_B.tolist()
+        assert b.all_positions_B.tolist() == a.positions_B.tolist() == a.all_positions_B.tolist()
+    for bad in ([], [3, 0], [0, 4], [1.0]):
+        with pytest.raises(ValueError, match="rows must be ascending row indices of a batch of 4"):
+            part.use_rows(np.array(bad))
+
+
 def test_sampler_and_process_errors_are_named():
     with pytest.raises(ValueError, match="batch_size=4 must be divisible by process_count=3"):
         synthetic_batches(process_count=3)

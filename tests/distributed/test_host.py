@@ -20,7 +20,7 @@ def test_one_process_holds_every_row_and_gets_them_back():
     mesh = _mesh()
     x_BxN = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    assert process_rows(rows, x_BxN.shape) == slice(0, 8)
+    np.testing.assert_array_equal(process_rows(rows, x_BxN.shape), np.arange(8))
     placed = from_local_rows(rows, x_BxN, x_BxN.shape)
     assert placed.sharding == rows
     np.testing.assert_array_equal(local_rows(placed), x_BxN)
@@ -29,6 +29,15 @@ def test_one_process_holds_every_row_and_gets_them_back():
     np.testing.assert_array_equal(local_rows(from_local_rows(cols, x_KxB, x_KxB.shape, axis=1),
                                              axis=1), x_KxB)
     assert broadcast({"a": [1, 2]}) == {"a": [1, 2]}
+
+
+def test_rows_of_interleaved_shards_are_taken_in_ascending_order():
+    """A TPU slice's topology order can give one host shards 4-5 and 0-1 of a batch of 8:
+    its local data is rows 0, 1, 4, 5 (the layout make_array_from_process_local_data reads)."""
+    devices = jax.devices()[:2]
+    sharding = types.SimpleNamespace(addressable_devices_indices_map=lambda shape: {
+        devices[0]: (slice(4, 6), slice(None)), devices[1]: (slice(0, 2), slice(None))})
+    np.testing.assert_array_equal(process_rows(sharding, (8, 3)), [0, 1, 4, 5])
 
 
 def _fake_devices(processes: int, per_process: int):

@@ -8,15 +8,17 @@ from jaxrl.distributed import setup
 from jaxrl.distributed.setup import DistributedSection, detect, explicit_settings
 from jaxrl.train.experiment import ExperimentConfig
 
+REAL_TPU_PROCESSES = setup._tpu_processes
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-       "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+       "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+       "SLURM_STEP_NUM_TASKS")
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for name in ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(setup, "_on_cloud_tpu_vm", lambda: False)
+    monkeypatch.setattr(setup, "_tpu_processes", lambda: 0)
 
 
 def test_nothing_set_is_a_single_process_run():
@@ -58,16 +60,24 @@ def test_bad_config_values_are_config_errors(override, message):
 
 
 def test_slurm_with_several_tasks_is_detected_and_auto_false_turns_it_off(monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    monkeypatch.setenv("SLURM_PROCID", "0")
-    monkeypatch.setenv("SLURM_NTASKS", "1")
+    for name, value in (("SLURM_JOB_ID", "42"), ("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0"),
+                        ("SLURM_NTASKS", "1")):
+        monkeypatch.setenv(name, value)
+    assert detect(DistributedSection()) == "none"  # a batch script, not an srun step
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[01-02]")
     assert detect(DistributedSection()) == "none"  # one task: nothing to join
     monkeypatch.setenv("SLURM_NTASKS", "16")
     assert detect(DistributedSection()) == "slurm"
     assert detect(DistributedSection(auto=False)) == "none"
 
 
-def test_tpu_vm_is_detected(monkeypatch):
-    monkeypatch.setattr(setup, "_on_cloud_tpu_vm", lambda: True)
+def test_a_tpu_slice_of_several_workers_is_detected_a_single_host_is_not(monkeypatch):
+    monkeypatch.setattr(setup, "_tpu_processes", lambda: 1)
+    assert detect(DistributedSection()) == "none"
+    monkeypatch.setattr(setup, "_tpu_processes", lambda: 4)
     assert detect(DistributedSection()) == "tpu"
     assert detect(DistributedSection(auto=False)) == "none"
+
+
+def test_off_a_tpu_vm_jax_counts_no_tpu_workers():
+    assert REAL_TPU_PROCESSES() == 0
