@@ -84,8 +84,10 @@ for ((i = 0; i < num_processes; i++)); do
   pids+=($!)
 done
 if ((num_processes > 1)); then
+  others="processes 1..$((num_processes - 1)) log"
+  ((num_processes > 2)) || others="process 1 logs"
   echo "local_multiprocess: $num_processes processes x $per_process CPU devices, coordinator" \
-    "127.0.0.1:$port; processes 1..$((num_processes - 1)) log to $log_dir" >&2
+    "127.0.0.1:$port; $others to $log_dir" >&2
 fi
 
 # Background processes of a script ignore SIGINT, so Ctrl-C is passed on as SIGTERM (jaxrl
