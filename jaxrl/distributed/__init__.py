@@ -3,7 +3,6 @@ helpers every process uses on its own rows (`host`)."""
 
 from jaxrl.distributed.host import (
     broadcast,
-    failed_processes,
     from_local_rows,
     is_main,
     local_rows,
@@ -12,5 +11,5 @@ from jaxrl.distributed.host import (
 )
 from jaxrl.distributed.setup import DistributedSection, detect, initialize
 
-__all__ = ["DistributedSection", "broadcast", "detect", "failed_processes", "from_local_rows", "initialize",
+__all__ = ["DistributedSection", "broadcast", "detect", "from_local_rows", "initialize",
            "is_main", "local_rows", "process_rows", "sync"]

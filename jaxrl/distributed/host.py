@@ -4,7 +4,6 @@ does nothing special, in a single process).
     is_main()                    process 0: the one that logs, prints and writes run files
     sync(name)                   every process waits here until all have arrived
     broadcast(obj)               process 0's JSON-able value, on every process
-    failed_processes(ok)         which processes report failure (all take the same branch)
     local_rows(x_BxN)            the leading-axis rows of a global array held by this process
     process_rows(sharding, shape)  the row indices this process's devices hold
     from_local_rows(sharding, local, shape)  a global array from every process's own rows
@@ -47,15 +46,6 @@ def broadcast(obj: Any) -> Any:
     padded[:data.size] = data
     out = np.asarray(multihost_utils.broadcast_one_to_all(padded))
     return json.loads(out.tobytes().decode())
-
-
-def failed_processes(ok: bool) -> list[int]:
-    """The processes that passed `ok=False` (every process must call it): one collective
-    answer to "did it work everywhere?", so that all processes take the same branch."""
-    if jax.process_count() == 1:
-        return [] if ok else [0]
-    ok_P = np.asarray(multihost_utils.process_allgather(np.int32(bool(ok))))
-    return [int(p) for p in np.flatnonzero(ok_P == 0)]
 
 
 def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int = 0

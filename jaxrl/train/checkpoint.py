@@ -17,9 +17,12 @@ target's sharding, so a run saved on one mesh layout resumes on another (the ste
 are compiled for exactly those shardings). When the newest checkpoint cannot be read
 (truncated or missing files), it warns and falls back to the one before.
 
-Several processes: every process writes and reads its own shards, so saves and restores are
-collective; a checkpoint counts as read only when every process read its part, and all fall
-back together (one process on another step than the others would mix two states).
+Several processes: every process writes and reads its own shards, and a restore ends in
+orbax's barrier, so no process goes on before all have read their parts. A process that cannot
+read its part cannot take the others back to an older checkpoint with it (they wait in that
+barrier, and one process on another step than the others would mix two states): the run
+stops with a RestoreError naming the checkpoint to remove, and the others exit when they lose
+contact with it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl import __version__
-from jaxrl.distributed import failed_processes
 
 logger = logging.getLogger("jaxrl.checkpoint")
 
@@ -102,14 +104,17 @@ class Checkpoints:
     def restore(self, target: nnx.State, step: int | None = None) -> Restored | None:
         """The checkpoint `step` (default: the newest readable one) into the layout of
         `target`; None when there is none. A checkpoint that fails to read is skipped with a
-        warning when no step was asked for; RestoreError when none can be read."""
+        warning when no step was asked for (one process: see the module docstring); a
+        RestoreError when none can be read."""
         steps = self.steps()
         if step is not None:
-            return self._everywhere(step, self._restore, self._existing(step, steps), target)
+            return self._only(step, self._restore, self._existing(step, steps), target)
         errors = []
         for candidate in reversed(steps):
             try:
-                return self._everywhere(candidate, self._restore, candidate, target)
+                return self._only(candidate, self._restore, candidate, target)
+            except RestoreError:
+                raise
             except Exception as e:  # orbax/tensorstore raise many kinds on damaged files
                 errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:300]}")
                 logger.warning("checkpoint %d in %s cannot be read (%s: %s); falling back to "
@@ -120,21 +125,18 @@ class Checkpoints:
                                   + "\n  ".join(errors))
         return None
 
-    @staticmethod
-    def _everywhere(step: int, read: Any, *args: Any) -> Any:
-        """`read(*args)` on this process, but a success only when it succeeded on every process
-        (module docstring); otherwise this process's error, or a RestoreError naming the
-        processes that failed."""
+    def _only(self, step: int, read: Any, *args: Any) -> Any:
+        """`read(*args)`; with several processes a failure is a RestoreError (no fallback)."""
         try:
-            result, error = read(*args), None
+            return read(*args)
         except Exception as e:
-            result, error = None, e
-        failed = failed_processes(error is None)
-        if error is not None:
-            raise error
-        if failed:
-            raise RestoreError(f"checkpoint {step} could not be read by process(es) {failed}")
-        return result
+            if jax.process_count() == 1:
+                raise
+            raise RestoreError(
+                f"process {jax.process_index()} cannot read its part of checkpoint {step} in "
+                f"{self.directory} ({type(e).__name__}: {str(e)[:300]}); the processes of a run "
+                f"cannot fall back together: remove {self.directory / str(step)} to resume from "
+                f"the checkpoint before it") from e
 
     def _existing(self, step: int, steps: list[int]) -> int:
         if step not in steps:
@@ -164,7 +166,7 @@ class Checkpoints:
         step = self._existing(steps[-1] if step is None else step, steps)
         args = ocp.args.Composite(
             model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target))))
-        out = self._everywhere(step, functools.partial(self._manager.restore, args=args), step)
+        out = self._only(step, functools.partial(self._manager.restore, args=args), step)
         state = jax.tree.map(lambda x: x, target)
         nnx.replace_by_pure_dict(state, out.model)
         return step, state

@@ -102,8 +102,27 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs, tmp_path):
     one, two = runs
     # Written by 2 processes, restored by 1 ...
     from_two = _rewind(two, tmp_path / "from_two")
-    err = _finish(_launch(1, from_two))
-    assert "from the checkpoint at step 2" in err
+    # (meanwhile: 2 processes resume a run whose newest checkpoint only process 1 cannot
+    # read: process 1 alone must not fall back to checkpoint 2 while process 0 goes on from 3;
+    # the run stops, naming the checkpoint to remove)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two, damaged, ignore=shutil.ignore_patterns("final_model"))
+    shard_files = list((damaged / "checkpoints" / "3" / "model" / "ocdbt.process_1" / "d").iterdir())
+    assert shard_files
+    for f in shard_files:
+        f.write_bytes(f.read_bytes()[:10])
+    # Process 0 waits in orbax's barrier for process 1, which is gone: the health check ends
+    # it within the heartbeat timeout.
+    resume, refused = _launch(1, from_two), _launch(2, damaged, "distributed.heartbeat_timeout_s=10")
+    started = time.monotonic()
+    _, err = refused.communicate(timeout=TIMEOUT_S)
+    print(f"the damaged run stopped after {time.monotonic() - started:.0f}s")
+    assert refused.returncode != 0
+    log = (tmp_path / "damaged-logs" / "process-1.log").read_text()
+    assert "process 1 cannot read its part of checkpoint 3" in log, log[-3000:]
+    assert f"remove {damaged / 'checkpoints' / '3'}" in log
+    assert len(read_metrics(damaged / "metrics.jsonl")) == 3  # nothing ran past the restore
+    assert "from the checkpoint at step 2" in _finish(resume)
     # ... and written by 1, restored by 2.
     from_one = _rewind(one, tmp_path / "from_one")
     err = _finish(_launch(2, from_one))
