@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"[bold red]error[/]: lost contact with another process of this run: a "
                     f"collective between the processes failed ({type(e).__name__}: "
                     f"{escape(str(e).splitlines()[0][:300])}); another process has probably "
-                    f"died: see "
-                    f"its output")
+                    f"died: see its output")
             _exit_now(EXIT_TRAINING_FAILED)
         raise
     if status and _several_processes():
@@ -258,7 +257,6 @@ class _ErrorConsole:
             self.console.print(prefix + text)
         finally:
             self.console.quiet = quiet
-
 
 
 if __name__ == "__main__":
