@@ -33,6 +33,9 @@ RUN = ["sharding.layout=fsdp", "train.max_steps=3", "train.checkpoint_every=2",
        "log.tensorboard=false", "log.print_every=1"]
 TIMING = ("time/", "perf/tokens_per_s", "perf/mfu", "perf/hfu")
 TIMEOUT_S = 400
+# Runs that are stopped midway need no 8 updates per step: one keeps each step's collectives
+# (gloo over TCP, ~2 s per quickstart step) few.
+LONG_RUN = ["train.max_steps=100000", "algo.num_minibatches=1"]
 
 
 def _env(log_dir: Path) -> dict[str, str]:
@@ -146,15 +149,15 @@ def test_a_dead_process_ends_the_others_with_an_error(tmp_path):
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "jaxrl.cli", "train", QUICKSTART, *RUN,
-         "train.max_steps=100000", "train.checkpoint_every=0",
+        [sys.executable, "-m", "jaxrl.cli", "train", QUICKSTART, *RUN, *LONG_RUN,
+         "train.checkpoint_every=0",
          f"distributed.heartbeat_timeout_s={heartbeat_s}", f"train.run_dir={tmp_path / 'run'}"],
         cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True) for i in range(2)]
     survivor, victim = processes
     try:
         metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + TIMEOUT_S
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
             assert survivor.poll() is None and victim.poll() is None, survivor.stderr.read()
             assert time.monotonic() < deadline, "the run did not start in time"
             time.sleep(0.05)
@@ -222,9 +225,9 @@ def test_sigterm_to_the_launcher_stops_every_process_after_one_step_with_a_check
     they agree on one step (JAX's preemption service), save one checkpoint together and
     exit 0; the checkpoint is the step after the last metrics line."""
     run = tmp_path / "run"
-    launcher = _launch(2, run, "train.max_steps=100000", "train.checkpoint_every=1000")
+    launcher = _launch(2, run, *LONG_RUN, "train.checkpoint_every=1000")
     metrics, deadline = run / "metrics.jsonl", time.monotonic() + TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not start in time"
         time.sleep(0.05)
@@ -232,7 +235,7 @@ def test_sigterm_to_the_launcher_stops_every_process_after_one_step_with_a_check
     out, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, err[-3000:]
     steps = len(read_metrics(metrics))
-    assert 2 <= steps < 100
+    assert 1 <= steps < 100
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [steps]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped_by"] == "SIGTERM" and summary["checkpoint_step"] == steps
