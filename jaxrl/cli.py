@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if _several_processes():
             traceback.print_exc()
-            if _is_lost_peer(e):
+            from jaxrl.distributed import is_lost_peer
+
+            if is_lost_peer(e):
                 _ErrorConsole(console).print(
                     f"[bold red]error[/]: lost contact with another process of this run: a "
                     f"collective between the processes failed ({type(e).__name__}: "
@@ -191,16 +193,6 @@ def _several_processes() -> bool:
     import jax
 
     return jax.distributed.is_initialized() and jax.process_count() > 1
-
-
-def _is_lost_peer(e: BaseException) -> bool:
-    """A runtime error from a collective whose other side went away (gloo, NCCL, ICI)."""
-    import jax
-
-    text = str(e)
-    return isinstance(e, jax.errors.JaxRuntimeError) and any(
-        words in text for words in ("Connection closed by peer", "Connection reset",
-                                    "UNAVAILABLE", "DEADLINE_EXCEEDED", "unhealthy"))
 
 
 def _exit_now(status: int) -> None:

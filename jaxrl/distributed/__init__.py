@@ -4,6 +4,7 @@ helpers every process uses on its own rows (`host`)."""
 from jaxrl.distributed.host import (
     broadcast,
     from_local_rows,
+    is_lost_peer,
     is_main,
     local_rows,
     process_rows,
@@ -12,4 +13,4 @@ from jaxrl.distributed.host import (
 from jaxrl.distributed.setup import DistributedSection, detect, initialize
 
 __all__ = ["DistributedSection", "broadcast", "detect", "from_local_rows", "initialize",
-           "is_main", "local_rows", "process_rows", "sync"]
+           "is_lost_peer", "is_main", "local_rows", "process_rows", "sync"]

@@ -4,6 +4,7 @@ does nothing special, in a single process).
     is_main()                    process 0: the one that logs, prints and writes run files
     sync(name)                   every process waits here until all have arrived
     broadcast(obj)               process 0's JSON-able value, on every process
+    is_lost_peer(e)              whether an error is a collective's whose peer went away
     local_rows(x_BxN)            the leading-axis rows of a global array held by this process
     process_rows(sharding, shape)  the row indices this process's devices hold
     from_local_rows(sharding, local, shape)  a global array from every process's own rows
@@ -46,6 +47,14 @@ def broadcast(obj: Any) -> Any:
     padded[:data.size] = data
     out = np.asarray(multihost_utils.broadcast_one_to_all(padded))
     return json.loads(out.tobytes().decode())
+
+
+def is_lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective's error because another process went away (gloo, NCCL and
+    the coordination service say so in these words)."""
+    return isinstance(e, jax.errors.JaxRuntimeError) and any(
+        words in str(e) for words in ("Connection closed by peer", "Connection reset",
+                                      "UNAVAILABLE", "DEADLINE_EXCEEDED", "unhealthy"))
 
 
 def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int = 0

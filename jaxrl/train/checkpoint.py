@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxrl import __version__
+from jaxrl.distributed import is_lost_peer
 
 logger = logging.getLogger("jaxrl.checkpoint")
 
@@ -116,6 +117,8 @@ class Checkpoints:
             except RestoreError:
                 raise
             except Exception as e:  # orbax/tensorstore raise many kinds on damaged files
+                if is_lost_peer(e):
+                    raise  # not this checkpoint's fault: another process is gone
                 errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:300]}")
                 logger.warning("checkpoint %d in %s cannot be read (%s: %s); falling back to "
                                "the previous one", candidate, self.directory,
@@ -130,8 +133,8 @@ class Checkpoints:
         try:
             return read(*args)
         except Exception as e:
-            if jax.process_count() == 1:
-                raise
+            if jax.process_count() == 1 or is_lost_peer(e):
+                raise  # (another process failed; this one only lost contact with it)
             raise RestoreError(
                 f"process {jax.process_index()} cannot read its part of checkpoint {step} in "
                 f"{self.directory} ({type(e).__name__}: {str(e)[:300]}); the processes of a run "
