@@ -241,7 +241,7 @@ def test_sigterm_to_the_launcher_stops_every_process_after_one_step_with_a_check
     out, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, err[-3000:]
     steps = len(read_metrics(metrics))
-    assert 1 <= steps < 100
+    assert 0 < steps < 100
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [steps]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stopped_by"] == "SIGTERM" and summary["checkpoint_step"] == steps
