@@ -222,7 +222,7 @@ try:  # what `jaxrl bench` imports, so a missing transitive dependency shows her
     import jax
     import jaxrl.cli  # noqa: F401
     import jaxrl.commands.bench  # noqa: F401
-    import jaxrl.train.run  # noqa: F401
+    import jaxrl.run.build  # noqa: F401
 except ModuleNotFoundError as e:
     fail([f"importing jaxrl's bench needs the module {e.name!r}, which is not installed "
           f"({e}). Carry its wheel in <repo>/.whl (benchmarks/README.md, 'GPU check')."])

@@ -67,25 +67,29 @@ def _generate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, console: Console) -> int:
-    from jaxrl.commands.train import run_train
-    from jaxrl.train.experiment import ExperimentConfig
+def _experiment(args: argparse.Namespace, console: Console, *, preemption: bool = False):
+    """(config path, ExperimentConfig) of train / bench / eval, joined to the run's other
+    processes; without a config file, the quickstart (shipped inside the package)."""
+    from jaxrl.config import ExperimentConfig
 
-    # Without a config file, train runs the quickstart (shipped inside the package).
     path = args.config or str(shipped_config("quickstart.yaml"))
     cfg = load_config(ExperimentConfig, path, args.overrides)
-    _join(cfg, console, preemption=True)
+    _join(cfg, console, preemption=preemption)
+    return path, cfg
+
+
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.train import run_train
+
+    path, cfg = _experiment(args, console, preemption=True)
     _emit(run_train(cfg, console, path))
     return 0
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     from jaxrl.commands.bench import run_bench
-    from jaxrl.train.experiment import ExperimentConfig
 
-    path = args.config or str(shipped_config("quickstart.yaml"))
-    cfg = load_config(ExperimentConfig, path, args.overrides)
-    _join(cfg, console)
+    path, cfg = _experiment(args, console)
     _emit(run_bench(cfg, console, path, steps=args.steps, warmup=args.warmup,
                     profile=args.profile))
     return 0
@@ -93,11 +97,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 def _eval(args: argparse.Namespace, console: Console) -> int:
     from jaxrl.commands.eval import run_eval
-    from jaxrl.train.experiment import ExperimentConfig
 
-    path = args.config or str(shipped_config("quickstart.yaml"))
-    cfg = load_config(ExperimentConfig, path, args.overrides)
-    _join(cfg, console)
+    _, cfg = _experiment(args, console)
     _emit(run_eval(cfg, console, step=args.step))
     return 0
 
@@ -219,8 +220,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return EXIT_CONFIG_ERROR
     except RuntimeError as e:
         # Imported here: the training loop and orbax are heavy, and most commands need neither.
-        from jaxrl.train.checkpoint import RestoreError
-        from jaxrl.train.loop import NonFiniteError
+        from jaxrl.run.checkpoint import RestoreError
+        from jaxrl.run.loop import NonFiniteError
 
         if isinstance(e, RestoreError):
             errors.print(f"[bold red]error[/]: {e}")

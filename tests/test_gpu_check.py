@@ -10,8 +10,7 @@ from pathlib import Path
 
 import jax
 
-from jaxrl.config import load_config
-from jaxrl.train.experiment import ExperimentConfig
+from jaxrl.config import ExperimentConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"

@@ -12,12 +12,11 @@ from flax import nnx
 from jaxrl.cli import main
 from jaxrl.commands.check import CheckConfig
 from jaxrl.commands.generate import GenerateConfig
-from jaxrl.config import load_config
+from jaxrl.config import ExperimentConfig, load_config
 from jaxrl.data.tasks import gsm8k
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.models import Transformer, save_pretrained
-from jaxrl.sharding import load_layout
-from jaxrl.train.experiment import ExperimentConfig
+from jaxrl.sharding import resolve_layout
 from tests.conftest import make_tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +36,7 @@ def test_every_config_has_a_schema():
 def test_config_loads_and_names_a_real_layout(name):
     cfg = load_config(SCHEMAS[name], ROOT / "configs" / name)
     assert isinstance(cfg, SCHEMAS[name])
-    load_layout(cfg.sharding.layout)
+    resolve_layout(cfg.sharding.layout)
 
 
 def _tiny_model_dir(path: Path, family: str) -> Path:

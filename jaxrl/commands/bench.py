@@ -1,15 +1,15 @@
 """`jaxrl bench CONFIG [overrides] [--steps N] [--warmup W] [--profile]`: measure the RL step.
 
-    run = build_run(cfg)                   the same run `jaxrl train` builds
-    preflight                              compile ahead of time, memory fit, FLOP count,
-                                           peak FLOP/s (on CPU the matmul is measured afresh)
+    start_run(cfg)                         the same start as `jaxrl train` (a new run dir):
+                                           build, compile ahead of time, memory fit, FLOP
+                                           count, peak FLOP/s (on CPU measured afresh)
     W warm-up steps, then N measured steps, each waited for (block_until_ready)
     print a table and, as the last line of stdout, one JSON object (`BENCH_KEYS`)
 
 Measured steps are timed one by one on the host (dispatch to metrics ready), so the
 numbers are the latency of a step, not hidden by the next one's dispatch. MFU/HFU use the
 median step; the generate/train split comes from stamps inside the program
-(`jaxrl.train.clock`). `decode_tokens_per_s` is completion tokens / generate seconds, prefill
+(`jaxrl.step.clock`), each step recorded like training's (`jaxrl.run.recorder`). `decode_tokens_per_s` is completion tokens / generate seconds, prefill
 included (a lower bound of the pure decode rate); `decode_bound_tokens_per_s` is its
 roofline from the decode program's bytes accessed and the device's memory bandwidth.
 `peak_memory_bytes` is XLA's plan for the step program (per device);
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,18 +32,15 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.config import ConfigError, RunDirError
+from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.distributed import is_main
 from jaxrl.perf import format_bytes, format_flops, memory_bandwidth, utilization
-from jaxrl.train.experiment import ExperimentConfig
-from jaxrl.train.metrics_log import MetricsLog, to_record
-from jaxrl.train.preflight import Preflight, preflight
-from jaxrl.train.run import Run, build_run
-from jaxrl.train.run_dir import prepare_run_dir
-from jaxrl.train.step import SIGNAL_KEY, SUCCESS_KEY
-
-BENCH_FILE = "bench.json"
-PROFILE_DIR = "profile"
+from jaxrl.run.build import Run
+from jaxrl.run.metrics_log import MetricsLog
+from jaxrl.run.preflight import Preflight
+from jaxrl.run.recorder import StepRecorder
+from jaxrl.run.run_dir import BENCH_FILE, PROFILE_DIR
+from jaxrl.run.start import start_run
 
 # Keys of the final JSON line (a value is null when it cannot be measured honestly, e.g.
 # FLOPs when cost analysis gave none).
@@ -66,50 +62,32 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
         raise ConfigError(f"bench needs --steps >= 1 and --warmup >= 0, got --steps {steps} "
                           f"--warmup {warmup}")
     # The phase split is part of what bench reports; it waits for every step anyway, so the
-    # stamps cost no overlap here (jaxrl.train.experiment.PerfSection.phase_times).
+    # stamps cost no overlap here (PerfSection.phase_times).
     cfg = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, phase_times=True))
     name = f"bench-{Path(config_path).stem if config_path else 'run'}"
-    run_dir, created, resume = prepare_run_dir(cfg, name)
-    if resume:
-        raise RunDirError(f"train.run_dir {str(run_dir)!r} holds a run with checkpoints; bench "
-                          f"needs a new train.run_dir")
-    console.print(f"[bold]run dir[/]: {run_dir}")
-    key = jax.random.key(cfg.train.seed)
-    try:
-        run = build_run(cfg, run_dir, console)
-        batch = next(run.batches)
-        first = (batch, run.place(batch))
-        pre = preflight(run, (*first[1], jax.random.fold_in(key, 0)), console,
-                        refresh_peak=True)
-    except BaseException:
-        if created:  # nothing was measured: leave nothing behind
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    started = start_run(cfg, name, console, resumable=False, refresh_peak=True)
+    run, state = started.run, started.state
 
     records: list[dict[str, Any]] = []
-    profile_dir = run_dir / PROFILE_DIR if profile else None
+    profile_dir = run.run_dir / PROFILE_DIR if profile else None
     if profile_dir is not None and jax.process_count() > 1:
         profile_dir = profile_dir / f"process-{jax.process_index()}"  # a trace per process
-    log = MetricsLog(run_dir, tensorboard=False)
+    log = MetricsLog(run.run_dir, tensorboard=False)
+    recorder = StepRecorder(run, started.pre, log)
     tracing = False
     try:
         for i in range(warmup + steps):
             if i == warmup and profile_dir is not None:
                 jax.profiler.start_trace(str(profile_dir))
                 tracing = True
-            batch, placed = first if i == 0 else ((b := next(run.batches)), run.place(b))
+            batch, placed = started.batch(i)
             start = time.perf_counter()
-            run.state, metrics = run.step(run.state, *placed, jax.random.fold_in(key, i),
-                                          run.ref_params)
-            host = jax.device_get(metrics)
-            run.batches.observe(i, batch.all_positions_B, host.pop(SUCCESS_KEY),
-                                host.pop(SIGNAL_KEY))
+            state, out = run.step(state, *placed, jax.random.fold_in(started.key, i),
+                                  run.ref_params)
+            jax.block_until_ready(out)
             step_s = time.perf_counter() - start
-            host["time/step_s"] = step_s
-            host["perf/tokens_per_s"] = float(host["completion/len_mean"]) * run.rows / step_s
-            host.update(pre.step_metrics(host, step_s, run.step.clock.pop()))
-            record = to_record(i, host)
-            log.write(record)
+            record = recorder.record(i, out, batch.all_positions_B, run.batches.metrics(),
+                                     step_s=step_s)
             phase = "warm-up" if i < warmup else "measured"
             console.print(f"step {i + 1}/{warmup + steps} ({phase}): {step_s * 1e3:.1f} ms")
             if i >= warmup:
@@ -120,9 +98,9 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
             jax.profiler.stop_trace()
             console.print(f"[bold]profile[/]: {profile_dir} (tensorboard --logdir "
                           f"{profile_dir}, or XProf / Perfetto)")
-    result = _result(cfg, run, pre, records, config_path, warmup, profile_dir)
+    result = _result(run, started.pre, records, config_path, warmup, profile_dir)
     if is_main():  # one writer; the other processes' host timings are their own
-        (run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
+        (run.run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
     console.print(_table(result))
     return result
 
@@ -132,7 +110,7 @@ def _median(records: list[dict[str, Any]], name: str) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def _result(cfg: ExperimentConfig, run: Run, pre: Preflight, records: list[dict[str, Any]],
+def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
             config_path: str | None, warmup: int, profile_dir: Path | None) -> dict[str, Any]:
     step_s = _median(records, "time/step_s")
     generate_s, train_s = _median(records, "time/generate_s"), _median(records, "time/train_s")

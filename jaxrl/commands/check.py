@@ -23,7 +23,7 @@ from rich.table import Table
 from jaxrl.config import Family, ModelSection, ShardingSection
 from jaxrl.models import Transformer, from_pretrained, save_pretrained
 from jaxrl.models.config import tiny_config
-from jaxrl.sharding import create_sharded, load_layout, make_mesh, use_rules
+from jaxrl.sharding import create_sharded, make_mesh, resolve_layout, use_rules
 from jaxrl.sharding.rules import variable_axes
 
 SINGLE_DEVICE_COMPARE_BYTES = 2**30
@@ -51,7 +51,7 @@ class CheckConfig:
 
 def run_check(cfg: CheckConfig, console: Console) -> dict[str, Any]:
     """Runs the smoke job, printing as it goes; returns a summary with `ok`."""
-    layout = load_layout(cfg.sharding.layout)
+    layout = resolve_layout(cfg.sharding.layout)
     mesh = make_mesh(layout)
     devices = jax.devices()
     console.print(f"[bold]devices[/]: {len(devices)} x {devices[0].device_kind} "

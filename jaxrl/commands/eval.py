@@ -6,7 +6,7 @@
     policy  = the run directory's latest checkpoint (--step N: that one) when it has
               checkpoints; else its final_model/; else model.path; else its init_model/;
               else a random `model.init` policy (saved to init_model/, as training does)
-    metrics = evaluate(run, cfg.eval)         eval/reward_mean, eval/exact_match, eval/pass@k,
+    metrics = Evaluator(run, cfg.eval)(policy(run.step, state)[1])         eval/reward_mean, eval/exact_match, eval/pass@k,
                                               eval/num_prompts, eval/num_samples
     prints a table and returns the JSON object the CLI prints as its last stdout line;
     appends {"step": s, **metrics} to <run_dir>/eval.jsonl (s: the checkpoint's step, null
@@ -24,11 +24,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.config import ConfigError
-from jaxrl.train.evaluate import append_eval, evaluate
-from jaxrl.train.experiment import ExperimentConfig
-from jaxrl.train.loop import FINAL_MODEL_DIR
-from jaxrl.train.run import INIT_MODEL_DIR, build_run
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.run.build import build_run, policy
+from jaxrl.run.checkpoint import RestoreError, restore_policy
+from jaxrl.run.evaluate import Evaluator, append_eval
+from jaxrl.run.run_dir import FINAL_MODEL_DIR, INIT_MODEL_DIR
 
 
 def run_eval(cfg: ExperimentConfig, console: Console, *,
@@ -43,17 +43,15 @@ def run_eval(cfg: ExperimentConfig, console: Console, *,
     run_dir = Path(cfg.train.run_dir)
     cfg, source = _model_source(cfg, run_dir)
     console.print(f"[bold]run dir[/]: {run_dir}")
-    run = build_run(cfg, run_dir, console)
+    run, state = build_run(cfg, run_dir, console)
     if run.task.eval_rows is None:
         reason = (f"data.task={run.task.name} has no held-out prompts (task.eval_rows); "
                   f"nothing evaluated")
         console.print(f"[bold yellow]eval skipped[/]: {reason}")
         return {"run_dir": str(run_dir), "step": None, "skipped": reason}
 
-    from jaxrl.train.checkpoint import RestoreError, restore_policy
-
     try:
-        restored = restore_policy(run, step)
+        restored, state = restore_policy(run_dir, state, step)
     except RestoreError as e:
         raise ConfigError(f"--step {step}: {e}" if step is not None else str(e)) from None
     if restored is None and step is not None:
@@ -62,7 +60,7 @@ def run_eval(cfg: ExperimentConfig, console: Console, *,
         source = f"checkpoint of step {restored}"
     console.print(f"[bold]eval[/]: {source}, {cfg.eval.num_prompts} held-out prompts x "
                   f"{cfg.eval.num_samples} sample(s), temperature {cfg.eval.temperature}")
-    metrics = evaluate(run, cfg.eval)
+    metrics = Evaluator(run, cfg.eval)(policy(run.step, state)[1])
     path = append_eval(run_dir, restored, metrics)
     console.print(_table(metrics, f"jaxrl eval: {source}"))
     console.print(f"[bold]appended to[/] {path}")

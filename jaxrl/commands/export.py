@@ -19,13 +19,11 @@ from typing import Any
 from flax import nnx
 from rich.console import Console
 
-from jaxrl.config import ConfigError, load_config
+from jaxrl.config import ConfigError, ExperimentConfig, load_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import from_pretrained, save_pretrained
-from jaxrl.train.checkpoint import Checkpoints, RestoreError
-from jaxrl.train.experiment import ExperimentConfig
-from jaxrl.train.run import INIT_MODEL_DIR
-from jaxrl.train.run_dir import CONFIG_FILE
+from jaxrl.run.checkpoint import Checkpoints, RestoreError
+from jaxrl.run.run_dir import CONFIG_FILE, INIT_MODEL_DIR
 
 
 def run_export(run_dir: str | Path, out: str | Path, console: Console, *,

@@ -26,7 +26,7 @@ from jaxrl.data.tokenizer import (
 )
 from jaxrl.models import from_pretrained
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig
-from jaxrl.sharding import load_layout, make_mesh
+from jaxrl.sharding import make_mesh, resolve_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def run_generate(cfg: GenerateConfig, console: Console) -> list[dict[str, Any]]:
     if not cfg.model.path:
         raise FileNotFoundError("generate needs a model directory: set model.path=/path/to/hf_model")
     tokenizer = load_tokenizer(cfg.model.path)
-    layout = load_layout(cfg.sharding.layout)
+    layout = resolve_layout(cfg.sharding.layout)
     mesh = make_mesh(layout)
     # Generation only: load straight into the rollout layout.
     model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype,

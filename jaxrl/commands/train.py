@@ -1,4 +1,4 @@
-"""`jaxrl train CONFIG.yaml [dotted.key=value ...]`: run an RL experiment (see jaxrl.train.loop).
+"""`jaxrl train CONFIG.yaml [dotted.key=value ...]`: run an RL experiment (see jaxrl.run.loop).
 
 Prints the summary as a table and returns it; the run directory holds config.yaml,
 metrics.jsonl, tensorboard/, eval.jsonl and reward.png.
@@ -11,8 +11,8 @@ from typing import Any
 
 from rich.console import Console
 
-from jaxrl.train.experiment import ExperimentConfig
-from jaxrl.train.loop import train
+from jaxrl.config import ExperimentConfig
+from jaxrl.run.loop import train
 
 
 def run_train(cfg: ExperimentConfig, console: Console, config_path: str | None) -> dict[str, Any]:

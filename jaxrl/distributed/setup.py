@@ -33,6 +33,8 @@ from typing import Literal
 
 import jax
 
+from jaxrl.config.run import DistributedSection, is_address
+
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -41,40 +43,10 @@ How = Literal["explicit", "slurm", "tpu", "none", "already"]
 
 
 @dataclasses.dataclass(frozen=True)
-class DistributedSection:
-    """`distributed`: how this process joins a multi-process run (module docstring)."""
-
-    coordinator_address: str | None = None  # host:port of process 0; env JAX_COORDINATOR_ADDRESS
-    num_processes: int | None = None  # env JAX_NUM_PROCESSES
-    process_id: int | None = None  # env JAX_PROCESS_ID
-    auto: bool = True  # detect SLURM jobs of several tasks and Cloud TPU VMs
-    initialization_timeout_s: int = 300  # how long to wait for every process to join
-    heartbeat_timeout_s: int = 100  # a process silent this long counts as dead: all exit
-
-    def __post_init__(self):
-        if self.coordinator_address is not None and not _is_address(self.coordinator_address):
-            raise ValueError(f"distributed.coordinator_address must be host:port, got "
-                             f"{self.coordinator_address!r}")
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ValueError(f"distributed.num_processes must be >= 1, got "
-                             f"{self.num_processes}")
-        if self.process_id is not None and self.process_id < 0:
-            raise ValueError(f"distributed.process_id must be >= 0, got {self.process_id}")
-        for name in ("initialization_timeout_s", "heartbeat_timeout_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"distributed.{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclasses.dataclass(frozen=True)
 class Explicit:
     coordinator_address: str
     num_processes: int
     process_id: int
-
-
-def _is_address(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _env_int(name: str) -> int | None:
@@ -91,7 +63,7 @@ def explicit_settings(section: DistributedSection) -> Explicit | None:
     """The coordinator, process count and id from the config or the environment; None when
     none of them is set. Raises ValueError naming what is missing when only some are."""
     env_address = os.environ.get(ENV_ADDRESS) or None
-    if env_address is not None and not _is_address(env_address):
+    if env_address is not None and not is_address(env_address):
         raise ValueError(f"environment variable {ENV_ADDRESS} must be host:port, got "
                          f"{env_address!r}")
     values = {
@@ -163,7 +135,7 @@ def initialize(section: DistributedSection, *, preemption: bool = True) -> How:
     detected. Call before any JAX computation (and before `jax.devices()`).
 
     `preemption`: run JAX's preemption service, which takes over SIGTERM for the life of the
-    process so that all processes stop after the same step (`jaxrl.train.preemption`); off,
+    process so that all processes stop after the same step (`jaxrl.run.preemption`); off,
     SIGTERM ends the process as usual (commands that do not checkpoint).
     """
     how = detect(section)

@@ -2,7 +2,7 @@
 FLOP/s and memory bandwidth of a device (a table by device_kind, a measured matmul on CPU,
 or a config override), MFU and HFU, and whether the step programs fit in device memory
 (XLA's memory analysis against the device's limit). A library the training loop calls: it
-never imports jaxrl.train, and commands that drive the loop (`jaxrl bench`) live in the CLI.
+never imports jaxrl.step or jaxrl.run, and commands that drive the loop (`jaxrl bench`) live in the CLI.
 """
 
 from jaxrl.perf.memory import (

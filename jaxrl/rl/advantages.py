@@ -34,11 +34,16 @@ import jax.numpy as jnp
 ScaleRewards = Literal["group", "batch", "none"]
 
 
-def _groups(rewards_B: jax.Array, group_size: int) -> jax.Array:
-    """rewards [P·G] -> [P, G] in float32; checks that the batch splits into groups of >= 2."""
+def check_group_size(group_size: int) -> None:
+    """Raises unless `group_size` >= 2: every estimator here needs a group to compare with."""
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 (a group-relative baseline needs at least "
                          f"two completions per prompt), got {group_size}")
+
+
+def _groups(rewards_B: jax.Array, group_size: int) -> jax.Array:
+    """rewards [P·G] -> [P, G] in float32; checks that the batch splits into groups of >= 2."""
+    check_group_size(group_size)
     if rewards_B.shape[0] % group_size:
         raise ValueError(f"batch of {rewards_B.shape[0]} rewards does not split into groups of "
                          f"group_size={group_size}")

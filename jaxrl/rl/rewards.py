@@ -28,6 +28,11 @@ A Python reward that raises, or returns a non-number or a non-finite number, giv
 0 and counts one error; the first failure of each reward is logged with its traceback to the
 logger "jaxrl.rewards", later ones are only counted, and the run goes on. A JAX reward cannot
 fail per sample: a wrong output shape is a trace-time error that names the reward.
+
+A sample is *solved* when its total is the highest a sample can earn, every reward at its best
+(each lies in [0, 1]): max_total = Σ_k max(w_k, 0), a positive-weight reward at 1 and a
+negative-weight one (a penalty) at 0. Training's per-prompt success (the curriculum) and
+evaluation's exact match both use `RewardSet.solved`.
 """
 
 from __future__ import annotations
@@ -141,6 +146,15 @@ class RewardSet:
         if self.python_rewards and self.decode is None:
             raise ValueError(f"Python rewards {[r.name for r in self.python_rewards]} need a "
                              f"decode(ids_BxT, mask_BxT) -> list[str] callable, got None")
+
+    @property
+    def max_total(self) -> float:
+        """The highest total a sample can earn: Σ_k max(w_k, 0)."""
+        return float(sum(max(r.weight, 0.0) for r in self.rewards))
+
+    def solved(self, total_B: Any) -> Any:
+        """Whether each total is `max_total` (to float32 rounding); numpy or jax arrays."""
+        return total_B >= self.max_total - 1e-6
 
     @property
     def python_rewards(self) -> tuple[PythonReward, ...]:

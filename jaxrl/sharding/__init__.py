@@ -1,7 +1,13 @@
 """Meshes, logical-axis rules and sharded state creation."""
 
 from jaxrl.sharding.create import create_sharded, reshard
-from jaxrl.sharding.layout import Layout, available_presets, load_layout, make_mesh
+from jaxrl.sharding.layout import (
+    Layout,
+    available_presets,
+    load_layout,
+    make_mesh,
+    resolve_layout,
+)
 from jaxrl.sharding.rules import (
     LOGICAL_AXES,
     MESH_AXES,
@@ -13,5 +19,5 @@ from jaxrl.sharding.rules import (
 
 __all__ = [
     "LOGICAL_AXES", "MESH_AXES", "AxisRules", "Layout", "available_presets", "constrain",
-    "create_sharded", "load_layout", "make_mesh", "reshard", "state_shardings", "use_rules",
+    "create_sharded", "load_layout", "make_mesh", "resolve_layout", "reshard", "state_shardings", "use_rules",
 ]

@@ -10,7 +10,8 @@ A layout file looks like
       rollout: {batch: [data, fsdp], mlp: tensor, ...}
 
 and is validated against the schema below by OmegaConf (unknown keys and wrong types fail
-with the key named). `make_mesh` is the one place where jaxrl creates a device mesh.
+with the key named). `resolve_layout("auto")` picks `single` for one device and `fsdp` for
+several. `make_mesh` is the one place where jaxrl creates a device mesh.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def load_layout(name_or_path: str | os.PathLike) -> Layout:
         if not path.is_file():
             raise FileNotFoundError(
                 f"unknown sharding layout {text!r}; presets in {preset_dir()}: "
-                f"{', '.join(available_presets()) or '(none found)'}; or give a path to a YAML file"
+                f"{', '.join(available_presets()) or '(none found)'}; auto (single on one device, "
+                f"fsdp on several); or give a path to a YAML file"
             )
     if not path.is_file():
         raise FileNotFoundError(f"sharding layout file {str(path)!r} does not exist")
@@ -161,6 +163,18 @@ def load_layout(name_or_path: str | os.PathLike) -> Layout:
         train_rules=rule_sets["train"],
         rollout_rules=rule_sets["rollout"],
     )
+
+
+AUTO = "auto"
+
+
+def resolve_layout(name_or_path: str | os.PathLike, num_devices: int | None = None) -> Layout:
+    """`load_layout`, where `auto` fits the host: `single` on one device, `fsdp` over several
+    (`num_devices`, default: every device of the run)."""
+    if str(name_or_path) != AUTO:
+        return load_layout(name_or_path)
+    count = jax.device_count() if num_devices is None else num_devices
+    return load_layout("single" if count == 1 else "fsdp")
 
 
 def make_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -9,8 +9,8 @@ import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.commands.bench import BENCH_KEYS
-from jaxrl.train.metrics_log import read_metrics
-from tests.train.test_loop import QUICKSTART, SMALL
+from jaxrl.run.metrics_log import read_metrics
+from tests.run.test_loop import QUICKSTART, SMALL
 
 
 @pytest.fixture(scope="module")

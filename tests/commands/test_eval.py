@@ -12,10 +12,8 @@ import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.commands import eval as eval_command
-from jaxrl.train.checkpoint import Checkpoints
-from jaxrl.train.evaluate import EVAL_FILE
-from jaxrl.train.loop import FINAL_MODEL_DIR
-from jaxrl.train.run import INIT_MODEL_DIR
+from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.run.run_dir import EVAL_FILE, FINAL_MODEL_DIR, INIT_MODEL_DIR
 from tests.test_shipped_configs import ROOT
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -78,9 +76,9 @@ def test_eval_a_fresh_run_dir_then_the_same_policy_then_a_checkpoint(tmp_path, c
     # A training run with a checkpoint after 3 steps (all-zero weights: greedy decoding then
     # emits token 0, <pad>, and never a digit): eval restores it and does not refuse the run.
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    run = built[-1]
+    run, state = built[-1]
     zeroed = jax.tree.map(lambda x: x * 0 if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                          run.state)
+                          state)
     checkpoints = Checkpoints(run_dir, async_save=False)
     checkpoints.save(3, zeroed, run.batches.state(), jax.random.key(0))
     checkpoints.close()
@@ -100,7 +98,7 @@ def test_eval_a_fresh_run_dir_then_the_same_policy_then_a_checkpoint(tmp_path, c
 
     # A task without held-out prompts is skipped with a message; nothing is appended.
     no_rows = SimpleNamespace(task=SimpleNamespace(name="gsm8k", eval_rows=None))
-    monkeypatch.setattr(eval_command, "build_run", lambda *args: no_rows)
+    monkeypatch.setattr(eval_command, "build_run", lambda *args: (no_rows, None))
     assert main(argv) == 0
     skipped = last_json(capsys)
     assert "data.task=gsm8k has no held-out prompts" in skipped["skipped"]

@@ -12,9 +12,9 @@ from rich.console import Console
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.data.tasks import registry
 from jaxrl.models import from_pretrained
-from jaxrl.train.checkpoint import Checkpoints
-from jaxrl.train.metrics_log import read_metrics
-from tests.train.test_loop import NO_FLOPS, _config
+from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.run.metrics_log import read_metrics
+from tests.run.test_loop import NO_FLOPS, _config
 
 QUICK = [NO_FLOPS, "log.plot=false", "log.tensorboard=false", "eval.num_prompts=0",
          "train.save_final=false"]
@@ -23,7 +23,7 @@ QUICK = [NO_FLOPS, "log.plot=false", "log.tensorboard=false", "eval.num_prompts=
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
-    from jaxrl.train import loop
+    from jaxrl.run import loop
 
     loop.train(_config(tmp, *QUICK, "train.max_steps=2", "train.checkpoint_every=1"),
                Console(quiet=True))
@@ -81,7 +81,7 @@ def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch
     monkeypatch.setattr(registry, "addition_reward", nan_reward)
     cfg = _config(tmp_path, *QUICK, "train.max_steps=10", "train.max_skipped_in_a_row=3",
                   "train.checkpoint_every=1")
-    from jaxrl.train import loop
+    from jaxrl.run import loop
 
     with pytest.raises(loop.NonFiniteError, match="3 steps in a row had a non-finite loss"):
         loop.train(cfg, Console(quiet=True))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
-from jaxrl.train.metrics_log import read_metrics
+from jaxrl.run.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -51,7 +51,9 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     (["data.task=gsm8k"], ["data.source", "data.task=gsm8k"]),
     (["data.tsk=addition"], ["data.tsk", "task"]),
     (["data.source=prompts.jsonl"], ["data.source", "data.task=addition"]),
-    (["rollout.temperature=0.7"], ["algo.temperature=1.0", "rollout.temperature=0.7"]),
+    (["rollout.temperature=0"], ["rollout.temperature must be > 0 to train", "got 0"]),
+    (["rollout.temperature=0.7", "algo.loss.tis_cap=2.0"],
+     ["algo.loss.tis_cap needs rollout.temperature=1.0", "0.7"]),
     (["sharding.layout=nope"], ["nope", "fsdp_tp"]),
     (["perf.peak_tflops=0"], ["perf.peak_tflops", "0"]),
     # The step is compiled and checked against the limit before anything runs.
@@ -113,3 +115,13 @@ def test_pass_rate_curriculum_gives_fewer_zero_variance_groups_than_uniform(tmp_
         zero_std[curriculum] = sum(r["rollout/zero_std_frac"] for r in records[40:]) / 80
     assert zero_std["pass_rate"] < 0.8 * zero_std["none"], zero_std
     assert zero_std["none"] > 0.05, zero_std  # uniform sampling does leave such groups
+
+
+def test_the_quickstart_fits_an_8_device_host_without_a_layout_override(tmp_path, capsys):
+    # sharding.layout: auto (the quickstart's): fsdp over the tests' 8 devices.
+    assert main(["train", QUICKSTART, f"train.run_dir={tmp_path}", "train.max_steps=2",
+                 "eval.num_prompts=8", "perf.count_flops=false", "log.plot=false",
+                 "log.tensorboard=false"]) == 0
+    err = capsys.readouterr().err
+    assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in err, err[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]

@@ -5,13 +5,8 @@ import io
 import numpy as np
 import pytest
 
-from jaxrl.data.curriculum import (
-    LAG,
-    PassRateConfig,
-    PassRateSampler,
-    make_prompt_sampler,
-    pass_rate_weight,
-)
+from jaxrl.data.curriculum import LAG, PassRateSampler, make_prompt_sampler
+from jaxrl.data.pass_rate import PassRateConfig, pass_rate_weight
 
 N, B, G, SEED = 12, 4, 4, 3
 DIFFICULTY_N = np.array([2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], float)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.train.metrics_log import read_metrics
+from jaxrl.run.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "launch" / "local_multiprocess.sh"

@@ -11,7 +11,7 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from jaxrl.sharding import available_presets, load_layout, make_mesh
+from jaxrl.sharding import available_presets, load_layout, make_mesh, resolve_layout
 from jaxrl.sharding.layout import Layout, MeshAxes, preset_dir
 from jaxrl.sharding.rules import LOGICAL_AXES, PARAM_AXES, AxisRules
 
@@ -202,3 +202,12 @@ def test_wheel_ships_presets_and_every_module(tmp_path):
     assert Path(out[0]).is_relative_to(site)  # the installed copy, not the checkout
     assert out[1].split() == [Path(p).stem for p in presets]
     assert Path(out[2]).is_relative_to(site)  # `jaxrl train` without a config finds it
+
+
+def test_auto_is_single_on_one_device_and_fsdp_on_several():
+    assert resolve_layout("auto", 1).name == "single"
+    assert resolve_layout("auto", 8).name == "fsdp"
+    assert resolve_layout("auto").name == "fsdp"  # the tests' 8 devices
+    assert resolve_layout("fsdp_tp", 1).name == "fsdp_tp"  # an explicit preset is kept
+    with pytest.raises(FileNotFoundError, match="auto .single on one device"):
+        load_layout("autox")

@@ -10,16 +10,11 @@ hendrycks MATH, "... so the answer is \\boxed{\\frac{1}{2}}."), else, when it ha
 \\boxed{ at all, the field taken whole (a bare `answer` column as in MATH-500, "\\frac{1}{2}").
 A field with neither is an error when the task is made (dataset.py checks every row).
 
-    math_reward  1 if math_verify finds the completion's final answer (formats.final_answer of
-                 the answer format) equal to the gold (answers.equal), else 0; 0 when there is
-                 no final answer.
-
-The format reward of the task is the answer format's (formats.format_reward).
+`math_reward` is `formats.final_answer_reward` of this gold; the task's format reward is the
+answer format's (formats.format_reward).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from jaxrl.data.tasks import answers, formats
 from jaxrl.data.tasks.formats import AnswerFormat
@@ -42,8 +37,4 @@ def gold_answer(answer_field: str) -> str:
     return gold
 
 
-def math_reward(prompt: str, completion: str, fields: dict[str, Any], *,
-                answer_format: AnswerFormat = "boxed") -> float:
-    """1.0 if the final answer equals the gold of fields["answer"] (math_verify), else 0.0."""
-    return answers.equal(gold_answer(answers.answer_field(fields)),
-                         formats.final_answer(completion, answer_format))
+math_reward = formats.final_answer_reward(gold_answer)

@@ -13,7 +13,7 @@ column exists; the prompt column holds strings and the answer column values, non
 difficulty column is numeric with none missing; every gold answer is found (`gold`, when the
 task's own correctness reward reads it); no two of the columns above share a name.
 
-Held-out rows (data.eval_source / data.eval_split, `TaskConfig.held_out`) are read, rendered
+Held-out rows (data.eval_source / data.eval_split, `DataSection.held_out`) are read, rendered
 and checked the same way, also when the task is made; `eval_rows(n, seed)` is their first n
 rows in dataset order (all of them when fewer), whatever the seed: a fixed evaluation set.
 """
@@ -27,8 +27,8 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jaxrl.config.data import DataSection
 from jaxrl.data.sources import describe, load_rows, require_columns
-from jaxrl.data.tasks.config import TaskConfig
 from jaxrl.data.tasks.task import Task, no_device_fields
 from jaxrl.rl.rewards import Reward
 
@@ -40,7 +40,7 @@ _NUMBERS = ("numbers", lambda t: pa.types.is_integer(t) or pa.types.is_floating(
 _ANY = ("values", lambda t: True)
 
 
-def dataset_task(config: TaskConfig, *, render: Callable[[str], str], carry_answer: bool,
+def dataset_task(config: DataSection, *, render: Callable[[str], str], carry_answer: bool,
                  gold: Callable[[str], str] | None, rewards: Sequence[Reward]) -> Task:
     """The task of `config`'s rows (module docstring) scored by `rewards`."""
     columns = _columns(config, carry_answer)
@@ -63,7 +63,7 @@ def _first_rows(rows: datasets.Dataset) -> Callable[[int, int], datasets.Dataset
     return eval_rows
 
 
-def _columns(config: TaskConfig, carry_answer: bool) -> Columns:
+def _columns(config: DataSection, carry_answer: bool) -> Columns:
     """The task's row columns and where each comes from; a name clash is an error."""
     columns: Columns = {"prompt": (config.prompt_column, "prompt")}
     wanted = [("answer", config.answer_column, "answer")] if carry_answer else []
@@ -80,7 +80,7 @@ def _columns(config: TaskConfig, carry_answer: bool) -> Columns:
     return columns
 
 
-def _rows(source: str, subset: str | None, split: str, columns: Columns, config: TaskConfig,
+def _rows(source: str, subset: str | None, split: str, columns: Columns, config: DataSection,
           render: Callable[[str], str], gold: Callable[[str], str] | None) -> datasets.Dataset:
     """Split `split` of `source`, checked and rendered into `columns`."""
     rows = load_rows(source, subset=subset, split=split)

@@ -24,12 +24,12 @@ so a reward for the tags format is `functools.partial(format_reward, answer_form
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, get_args
+from collections.abc import Callable
+from typing import Any
 
+from jaxrl.config.data import ANSWER_FORMATS, AnswerFormat
 from jaxrl.data.tasks import answers
 
-AnswerFormat = Literal["boxed", "tags"]
-ANSWER_FORMATS: tuple[AnswerFormat, ...] = get_args(AnswerFormat)
 PROMPT_SUFFIXES: dict[AnswerFormat, str] = {
     "boxed": "\n\nReason step by step, then write the final answer alone inside \\boxed{...}.",
     "tags": ("\n\nThink step by step inside <think> </think>, then write the final answer "
@@ -74,3 +74,16 @@ def format_reward(prompt: str, completion: str, fields: dict[str, Any], *,
     shape = _TAGS_SHAPE_RE.fullmatch(completion)
     return float(shape is not None and bool(shape["answer"].strip())
                  and not _TAG_RE.search(shape["think"]) and not _TAG_RE.search(shape["answer"]))
+
+
+def final_answer_reward(gold_answer: Callable[[str], str]) -> Callable[..., float]:
+    """The correctness reward of a math task whose gold is `gold_answer(fields["answer"])`:
+    1.0 if math_verify finds the completion's final answer (`final_answer` of the answer
+    format) equal to the gold (answers.equal), else 0.0; 0.0 without a final answer."""
+
+    def math_reward(prompt: str, completion: str, fields: dict[str, Any], *,
+                    answer_format: AnswerFormat = "boxed") -> float:
+        return answers.equal(gold_answer(answers.answer_field(fields)),
+                             final_answer(completion, answer_format))
+
+    return math_reward

@@ -6,16 +6,11 @@ GSM8K writes a worked solution ending in "#### 72", and the gold is the text aft
 "####" with thousands separators removed; a field without "####" is taken whole, so datasets
 whose answer column is already the bare answer work too.
 
-    math_reward  1 if math_verify finds the completion's final answer (formats.final_answer of
-                 the answer format) equal to the gold (answers.equal), else 0; 0 when there is
-                 no final answer.
-
-The format reward of the task is the answer format's (formats.format_reward).
+`math_reward` is `formats.final_answer_reward` of this gold; the task's format reward is the
+answer format's (formats.format_reward).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from jaxrl.data.tasks import answers, formats
 from jaxrl.data.tasks.formats import AnswerFormat
@@ -35,8 +30,4 @@ def gold_answer(answer_field: str) -> str:
     return gold
 
 
-def math_reward(prompt: str, completion: str, fields: dict[str, Any], *,
-                answer_format: AnswerFormat = "boxed") -> float:
-    """1.0 if the final answer equals the gold of fields["answer"] (math_verify), else 0.0."""
-    return answers.equal(gold_answer(answers.answer_field(fields)),
-                         formats.final_answer(completion, answer_format))
+math_reward = formats.final_answer_reward(gold_answer)

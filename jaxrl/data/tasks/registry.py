@@ -30,15 +30,15 @@ from typing import Any
 
 import datasets
 
+from jaxrl.config.data import SYNTHETIC_TASKS, DataSection, TaskName
 from jaxrl.data.tasks import competition_math, custom, formats, gsm8k
 from jaxrl.data.tasks.addition import AdditionTask, addition_reward, make_addition_tokenizer
-from jaxrl.data.tasks.config import SYNTHETIC_TASKS, TaskConfig, TaskName
 from jaxrl.data.tasks.dataset import dataset_task
 from jaxrl.data.tasks.formats import AnswerFormat
 from jaxrl.data.tasks.task import Task
 from jaxrl.rl.rewards import JaxReward, PythonReward
 
-__all__ = ["SYNTHETIC_TASKS", "Task", "TaskConfig", "TaskName", "addition_task", "make_task"]
+__all__ = ["SYNTHETIC_TASKS", "Task", "DataSection", "TaskName", "addition_task", "make_task"]
 
 # The math tasks: the module with gold_answer and math_reward, and the prompt renderer.
 _MATH_TASKS: dict[str, tuple[ModuleType, Callable[..., str]]] = {
@@ -47,7 +47,7 @@ _MATH_TASKS: dict[str, tuple[ModuleType, Callable[..., str]]] = {
 }
 
 
-def make_task(config: TaskConfig, *, seed: int) -> Task:
+def make_task(config: DataSection, *, seed: int) -> Task:
     """The task `config.task` with its options (module docstring); `seed` draws synthetic rows."""
     if config.task == "addition":
         return addition_task(config.num_digits, config.num_prompts, seed)
@@ -60,7 +60,7 @@ def make_task(config: TaskConfig, *, seed: int) -> Task:
                         gold=None if config.reward_fn else module.gold_answer, rewards=rewards)
 
 
-def _dataset_rewards(config: TaskConfig) -> list[PythonReward]:
+def _dataset_rewards(config: DataSection) -> list[PythonReward]:
     """The correctness reward (or data.reward_fn's), then the format reward when weighted."""
     if config.reward_fn:
         name, fn = custom.load_reward_fn(config.reward_fn)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tasks import gsm8k
-from jaxrl.data.tasks.registry import TaskConfig, make_task
+from jaxrl.data.tasks.registry import DataSection, make_task
 from jaxrl.data.tokenizer import make_char_tokenizer
 
 TRAIN = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}", "level": i % 3,
@@ -31,7 +31,7 @@ def _jsonl(path, rows):
 
 
 def _task(source, task="gsm8k", **keys):
-    return make_task(TaskConfig(task=task, source=source, prompt_column="question", **keys),
+    return make_task(DataSection(task=task, source=source, prompt_column="question", **keys),
                      seed=0)
 
 
@@ -51,7 +51,7 @@ def data_dir(tmp_path):
 ])
 def test_a_missing_column_is_named_with_its_role(data_dir, keys, message):
     with pytest.raises(ValueError, match=message) as info:
-        make_task(TaskConfig(**{"task": "gsm8k", "source": data_dir,
+        make_task(DataSection(**{"task": "gsm8k", "source": data_dir,
                                 "prompt_column": "question", **keys}), seed=0)
     assert "its columns are ['question', 'answer', 'level', 'id']" in str(info.value)
     assert f"{data_dir!r} split 'train'" in str(info.value)

@@ -13,7 +13,7 @@ import pytest
 
 from jaxrl.data.tasks import competition_math, formats, gsm8k
 from jaxrl.data.tasks.addition import ALPHABET
-from jaxrl.data.tasks.registry import TaskConfig, make_task
+from jaxrl.data.tasks.registry import DataSection, make_task
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.rl.rewards import JaxReward, PythonReward, RewardInputs
 
@@ -27,7 +27,7 @@ def _task(name, seed=0, **keys):
         keys.setdefault("num_prompts", 64)
     else:
         keys.setdefault("prompt_column", "question")
-    return make_task(TaskConfig(task=name, **keys), seed=seed)
+    return make_task(DataSection(task=name, **keys), seed=seed)
 
 
 def _inputs(tokenizer, prompts, completions, rows, fields=None):

@@ -1,0 +1,32 @@
+"""Every config of jaxrl: one module per group of sections, `load_config` to fill them."""
+
+from jaxrl.config.algo import AlgoSection, OptimSection
+from jaxrl.config.data import DataSection
+from jaxrl.config.experiment import ExperimentConfig
+from jaxrl.config.load import (
+    ConfigError,
+    RunDirError,
+    fail,
+    load_config,
+    require_at_least,
+    shipped_config,
+    to_yaml,
+)
+from jaxrl.config.model import (
+    DType,
+    Family,
+    InitSection,
+    ModelSection,
+    ShardingSection,
+    TrainModelSection,
+)
+from jaxrl.config.run import DistributedSection, LogSection, PerfSection, TrainSection
+from jaxrl.config.sampling import EvalSection, RolloutSection, SamplingSection
+
+__all__ = [
+    "AlgoSection", "ConfigError", "DType", "DataSection", "DistributedSection", "EvalSection",
+    "ExperimentConfig", "Family", "InitSection", "LogSection", "ModelSection", "OptimSection",
+    "PerfSection", "RolloutSection", "RunDirError", "SamplingSection", "ShardingSection",
+    "TrainModelSection", "TrainSection", "fail", "load_config", "require_at_least",
+    "shipped_config", "to_yaml",
+]

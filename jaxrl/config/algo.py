@@ -1,0 +1,117 @@
+"""The `algo` and `optim` sections: what one RL step computes and how it updates the policy.
+
+    algo   advantage estimator, policy loss (`jaxrl.rl.PolicyLossConfig`, the loss's own
+           parameters), updates per step (iterations x minibatches, microbatches), fused or
+           split programs, log-prob chunking, DAPO's overlong buffer
+    optim  AdamW on a warmup + cosine schedule with global-norm clipping (`jaxrl.step.optimizer`)
+
+Both can be built in Python as well as from YAML, so they check their own types and choices.
+The trainer's temperature is `rollout.temperature` (one field: the distribution the tokens
+were sampled from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Literal
+
+from jaxrl.config.load import fail, require_at_least
+from jaxrl.rl import PolicyLossConfig
+from jaxrl.rl.advantages import ScaleRewards
+
+AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo"]
+StepMode = Literal["fused", "split"]
+
+
+def _require_int(section: str, obj: object, names: tuple[str, ...], optional: bool) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(section, obj, name, "an integer" + (" or None" if optional else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSection:
+    """`algo`: advantages, loss and update schedule of one RL step."""
+
+    advantage: AdvantageEstimator = "grpo"
+    scale_rewards: ScaleRewards = "group"  # GRPO only
+    loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)
+    num_iterations: int = 1  # passes over the rollout batch
+    num_minibatches: int = 1  # optimizer updates per pass; must divide the rows
+    microbatch_size: int | None = None  # rows per gradient accumulation step; None: minibatch
+    mask_zero_std_groups: bool = False  # drop groups whose rewards are all equal from the loss
+    mode: StepMode = "fused"
+    logprob_chunk_size: int | None = None  # vocabulary columns per chunk; None: whole logits
+    overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
+
+    def __post_init__(self):
+        for name, choices in (("advantage", AdvantageEstimator), ("mode", StepMode),
+                              ("scale_rewards", ScaleRewards)):
+            if getattr(self, name) not in typing.get_args(choices):
+                fail("algo", self, name, f"one of {typing.get_args(choices)}")
+        if not isinstance(self.loss, PolicyLossConfig):
+            fail("algo", self, "loss", "a PolicyLossConfig")
+        _require_int("algo", self, ("num_iterations", "num_minibatches"), optional=False)
+        _require_int("algo", self, ("microbatch_size", "logprob_chunk_size", "overlong_buffer"),
+                     optional=True)
+        require_at_least("algo", self, ("num_iterations", "num_minibatches", "microbatch_size",
+                                        "logprob_chunk_size", "overlong_buffer"))
+        if not isinstance(self.mask_zero_std_groups, bool):
+            fail("algo", self, "mask_zero_std_groups", "a bool")
+
+    @property
+    def single_update(self) -> bool:
+        """One optimizer update per step: the old policy is the one being updated."""
+        return self.num_iterations * self.num_minibatches == 1
+
+    def batch_split(self, rows: int) -> tuple[int, int]:
+        """(rows per minibatch, microbatches per minibatch) for a batch of `rows`."""
+        if rows % self.num_minibatches:
+            raise ValueError(f"algo.num_minibatches={self.num_minibatches} must divide the "
+                             f"{rows} rows of the batch")
+        minibatch = rows // self.num_minibatches
+        micro = self.microbatch_size or minibatch
+        if minibatch % micro:
+            raise ValueError(f"algo.microbatch_size={self.microbatch_size} must divide the "
+                             f"{minibatch} rows of a minibatch")
+        return minibatch, minibatch // micro
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+    """`optim`: peak rate, warmup + cosine schedule, AdamW and clipping."""
+
+    lr: float = 1e-6  # peak learning rate
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    total_steps: int | None = None  # end of the cosine decay (counting warmup); None: constant
+    min_lr_ratio: float = 0.0  # the cosine's floor, as a fraction of lr
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled; weight matrices only
+    max_grad_norm: float | None = 1.0  # global-norm clipping; None: off
+
+    def __post_init__(self):
+        _require_int("optim", self, ("warmup_steps", "total_steps"), optional=True)
+        # `not x > 0` also rejects NaN.
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            fail("optim", self, "lr", "a finite number > 0")
+        require_at_least("optim", self, ("warmup_steps",), 0)
+        if self.total_steps is not None and not self.total_steps > self.warmup_steps:
+            fail("optim", self, "total_steps", f"None or > warmup_steps ({self.warmup_steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            fail("optim", self, "min_lr_ratio", "in [0, 1]")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                fail("optim", self, name, "in [0, 1)")
+        if not self.eps > 0:
+            fail("optim", self, "eps", "> 0")
+        if not self.weight_decay >= 0:
+            fail("optim", self, "weight_decay", ">= 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            fail("optim", self, "max_grad_norm", "None or > 0")

@@ -1,0 +1,74 @@
+"""The experiment config of `jaxrl train`, `bench` and `eval`: one frozen dataclass per section.
+
+    model        which policy: a local HF directory, or (path: null) a random one of `model.init`
+    sharding     the layout preset (mesh shape + rule sets), `auto` by default
+    rollout      sampling: group size, completion budget, temperature / top-k / top-p
+    algo         what one RL step computes: advantages, loss, updates, fused/split
+    optim        AdamW, schedule, clipping
+    data         the task (prompts + verifier rewards) and how prompts are batched
+    train        run directory, steps, seed, saving
+    eval         held-out evaluation: prompts, samples per prompt, pass@k, how often
+    log          TensorBoard, the reward plot, progress lines
+    perf         peak FLOP/s and memory limit overrides, FLOP counting on/off
+    distributed  joining a run of several processes (hosts): coordinator, count, id
+
+`load_config(ExperimentConfig, path, overrides)` fills it from YAML and dotted overrides; every
+section validates itself in `__post_init__` and `ExperimentConfig` checks what spans sections,
+so a bad value fails before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.config.algo import AlgoSection, OptimSection
+from jaxrl.config.data import DataSection
+from jaxrl.config.model import ShardingSection, TrainModelSection
+from jaxrl.config.run import DistributedSection, LogSection, PerfSection, TrainSection
+from jaxrl.config.sampling import EvalSection, RolloutSection
+from jaxrl.rl.advantages import check_group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment (module docstring); checks that span sections."""
+
+    model: TrainModelSection = dataclasses.field(default_factory=TrainModelSection)
+    sharding: ShardingSection = dataclasses.field(default_factory=ShardingSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    algo: AlgoSection = dataclasses.field(default_factory=AlgoSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    log: LogSection = dataclasses.field(default_factory=LogSection)
+    perf: PerfSection = dataclasses.field(default_factory=PerfSection)
+    distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+
+    def __post_init__(self):
+        rollout, algo = self.rollout, self.algo
+        try:  # every estimator and the zero-std masks compare samples within a group
+            check_group_size(rollout.num_generations)
+        except ValueError as e:
+            raise ValueError(f"rollout.num_generations: {e} (algo.advantage="
+                             f"{algo.advantage})") from None
+        if algo.overlong_buffer is not None and algo.overlong_buffer > rollout.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer={algo.overlong_buffer} must be at most "
+                             f"rollout.max_new_tokens={rollout.max_new_tokens} (the soft "
+                             f"zone lies inside the completion budget)")
+        if not rollout.temperature > 0:
+            raise ValueError(f"rollout.temperature must be > 0 to train (the trainer scores "
+                             f"each token under the distribution it was sampled from), got "
+                             f"{rollout.temperature}")
+        if algo.loss.tis_cap is not None and rollout.temperature != 1.0:
+            # TIS divides by the sampler's temperature-1 log-probs (logp_raw_BxC); at another
+            # temperature the ratio would compare two different distributions.
+            raise ValueError(f"algo.loss.tis_cap needs rollout.temperature=1.0 (the sampler's "
+                             f"log-probs it corrects are at temperature 1), got "
+                             f"{rollout.temperature}")
+        rows = self.data.batch_size * rollout.num_generations
+        try:
+            algo.batch_split(rows)
+        except ValueError as e:
+            raise ValueError(f"{e} (the batch has data.batch_size x rollout.num_generations = "
+                             f"{rows} rows)") from None

@@ -1,0 +1,107 @@
+"""Loading configs: YAML + dotted overrides merged onto a frozen dataclass schema.
+
+`load_config(Schema, path, ["model.dtype=bfloat16", ...])` merges the YAML file and dotted
+overrides onto the dataclass schema with OmegaConf structured configs, which reject unknown
+keys (suggesting the closest valid one) and values of the wrong type or outside a Literal's
+choices; each section's `__post_init__` then checks what types cannot express. Every failure
+is a `ConfigError` whose message names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+class RunDirError(ConfigError):
+    """`train.run_dir` already holds a run (a run directory is never overwritten)."""
+
+
+def fail(section: str, obj: Any, name: str, requirement: str) -> NoReturn:
+    """Raises the one message of a bad config value: `section.name must be ..., got ...`."""
+    raise ValueError(f"{section}.{name} must be {requirement}, got {getattr(obj, name)!r}")
+
+
+def require_at_least(section: str, obj: Any, names: tuple[str, ...], minimum: int = 1,
+                     note: str = "") -> None:
+    """`fail`s on the first of `names` whose value (None is skipped) is below `minimum`."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < minimum:
+            fail(section, obj, name, f">= {minimum}{note}")
+
+
+def shipped_config(name: str) -> Path:
+    """A config shipped with jaxrl (`quickstart.yaml`): the installed copy, else the
+    repository's top-level `configs/` (a source checkout or an editable install)."""
+    here = Path(__file__).resolve().parents[1]  # the jaxrl package
+    for directory in (here / "configs", here.parent / "configs"):
+        if (directory / name).is_file():
+            return directory / name
+    raise ConfigError(f"no shipped config {name!r} (looked in {here / 'configs'} and "
+                      f"{here.parent / 'configs'})")
+
+
+def load_config(schema: type[T], path: str | Path | None = None,
+                overrides: Sequence[str] = ()) -> T:
+    """The `schema` instance from a YAML file and `key.sub=value` overrides (later wins)."""
+    merged = OmegaConf.structured(schema)
+    sources: list[tuple[str, object]] = []
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        sources.append((str(path), lambda: OmegaConf.load(path)))
+    for item in overrides:
+        key, eq, _ = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        sources.append((key, lambda item=item: OmegaConf.from_dotlist([item])))
+    for where, read in sources:
+        try:
+            merged = OmegaConf.merge(merged, read())
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ConfigError(_describe(e, schema, where)) from None
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e, schema, "?")) from None
+    except (TypeError, ValueError) as e:  # from a section's __post_init__
+        raise ConfigError(str(e)) from None
+
+
+def _describe(error: Exception, schema: type, where: str) -> str:
+    key = getattr(error, "full_key", None) or where
+    message = str(error).splitlines()[0]
+    hint = ""
+    if "Did you mean" not in message and "not in" in message:
+        close = difflib.get_close_matches(key, _all_keys(schema), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"config key {key!r}: {message}{hint}"
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, kind in typing.get_type_hints(schema).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(kind):
+            keys.extend(_all_keys(kind, prefix + name + "."))
+    return keys
+
+
+def to_yaml(config: object) -> str:
+    """The resolved config as YAML (what a run directory saves)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

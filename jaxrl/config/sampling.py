@@ -1,0 +1,83 @@
+"""The sampling sections: `rollout` (training's samples) and `eval` (held-out evaluation).
+
+Both draw tokens with temperature / top-k / top-p (`SamplingSection`, converted to the
+sampler's `SamplingParams` in one place); `rollout` adds the group size and the completion
+budget, `eval` which held-out prompts, how many samples each and pass@k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.config.load import fail, require_at_least
+from jaxrl.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    """temperature / top_k / top_p of a section named by `_section`."""
+
+    _section = "sampling"  # a class attribute, not a config key
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        try:
+            self.sampling_params()
+        except ValueError as e:
+            raise ValueError(f"{self._section}.{e}") from None
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection(SamplingSection):
+    """`rollout`: G samples per prompt, up to `max_new_tokens` each. The trainer scores every
+    token at `temperature`, the distribution it was sampled from."""
+
+    _section = "rollout"
+    num_generations: int = 1  # samples per prompt (the GRPO group)
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # besides the EOS ids
+    # No stop tokens at all, EOS included: every training completion has exactly
+    # max_new_tokens tokens (benchmarks; vLLM's ignore_eos). Evaluation still stops at EOS.
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        require_at_least("rollout", self, ("num_generations", "max_new_tokens"))
+        if self.ignore_eos and self.stop_token_ids:
+            raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
+                             f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")
+        super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection(SamplingSection):
+    """`eval`: held-out prompts, n samples each, scored by the task's rewards
+    (`jaxrl.run.evaluate`). Training evaluates at the end (and every `every` steps);
+    `jaxrl eval` on demand."""
+
+    _section = "eval"
+    temperature: float = 0.0  # greedy
+    num_prompts: int = 1000  # held-out prompts (the task's eval rows); 0: no evaluation
+    batch_size: int = 250  # prompts per sampler call (x num_samples completions)
+    num_samples: int = 1  # completions per prompt (n of pass@k)
+    k: list[int] = dataclasses.field(default_factory=lambda: [1])  # eval/pass@k for each
+    every: int = 0  # training evaluates every N steps too; 0: only at the end
+    seed: int = 0  # which held-out prompts, and the sampling keys (the same at every eval)
+
+    def __post_init__(self):
+        require_at_least("eval", self, ("num_prompts",), 0, " (0: no evaluation)")
+        require_at_least("eval", self, ("batch_size", "num_samples"))
+        require_at_least("eval", self, ("every", "seed"), 0)
+        super().__post_init__()
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.num_samples={self.num_samples} needs eval.temperature > 0, "
+                             f"got 0 (greedy samples of a prompt would all be identical)")
+        if not self.k or len(set(self.k)) != len(self.k):
+            fail("eval", self, "k", "a non-empty list of distinct sample counts")
+        if not all(1 <= k <= self.num_samples for k in self.k):
+            fail("eval", self, "k", f"a list of values in [1, eval.num_samples="
+                                    f"{self.num_samples}]")

@@ -1,0 +1,211 @@
+"""Everything a training run needs, built from its config: `build_run(cfg, run_dir, console)`.
+
+    mesh        from the layout preset (train and rollout rule sets)
+    tokenizer   the model directory's, or the task's own (synthetic tasks)
+    policy      `model.path` loaded straight into the train layout; with `model.path: null`
+                a random `model.init` policy is made, saved with the tokenizer in HF format
+                to <run_dir>/init_model and loaded back through the same code
+    task        prompt rows, verifier rewards, the fields they read
+    batches     tokenized, left-padded prompt batches (drops over-long prompts, counted),
+                which prompts each step takes chosen by `data.curriculum`
+    step        the fused/split RL step program(s) over a donated train state
+
+Nothing here runs a step; a bad value (a missing column, a prompt set that does not fit)
+fails here, before anything compiles.
+
+Several processes: each builds the same run; process 0 alone writes files (the random
+policy). Every process tokenizes the whole prompt set and draws the same batch positions each
+step (so the curriculum stays in step), but takes and places only the rows its devices hold
+(`process_rows` of the batch sharding); Python rewards then score those rows in each process
+(split mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from rich.console import Console
+from transformers import PreTrainedTokenizerBase
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.data.curriculum import make_prompt_sampler
+from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
+from jaxrl.data.tasks.registry import Task, make_task
+from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+from jaxrl.distributed import broadcast, is_main, sync
+from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.rollout import Sampler, SamplerConfig
+from jaxrl.run.placement import Placed, Placement
+from jaxrl.run.run_dir import INIT_MODEL_DIR
+from jaxrl.sharding import Layout, create_sharded, make_mesh, resolve_layout
+from jaxrl.step.builder import Step, build_step
+from jaxrl.step.state import reference_params, train_state_from_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The built pieces of a run (module docstring); the train state travels beside it."""
+
+    cfg: ExperimentConfig
+    run_dir: Path
+    mesh: Mesh
+    layout: Layout
+    tokenizer: PreTrainedTokenizerBase
+    task: Task
+    model_config: ModelConfig
+    batches: PromptBatches
+    placement: Placement
+    step: Step
+    ref_params: nnx.State | None  # the frozen KL reference (algo.loss.beta > 0), else None
+
+    @property
+    def rows(self) -> int:
+        """Samples per step: prompts x generations."""
+        return self.cfg.data.batch_size * self.cfg.rollout.num_generations
+
+    def place(self, batch: PromptBatch) -> Placed:
+        """A step's batch as the step's device arguments."""
+        return self.placement.place(batch, self.cfg.data.batch_size)
+
+
+def policy(step: Step, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of the policy model inside a train `state` (not a copy: do not
+    donate it)."""
+    return nnx.split(nnx.merge(step.graphdef, state).model)
+
+
+def save_policy(run: Run, state: nnx.State, path: Path) -> Path:
+    """The policy in `state` and the run's tokenizer as an HF model directory at `path`
+    (written by process 0; every process takes part in gathering the weights)."""
+    save_pretrained(nnx.merge(run.step.graphdef, state).model, path)
+    if is_main():
+        run.tokenizer.save_pretrained(str(path))
+    sync("jaxrl: policy saved")
+    return path
+
+
+def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
+              reuse_init: bool = False) -> tuple[Run, nnx.State]:
+    """(the run, its initial train state): mesh, tokenizer, policy, task, prompt batches and
+    step (module docstring).
+
+    `reuse_init`: the run directory belongs to this experiment already (a resumed run,
+    `jaxrl eval`): a random policy it saved before is loaded instead of made again.
+    """
+    try:
+        task = make_task(cfg.data, seed=cfg.train.seed)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"data: {e}") from None
+    layout = resolve_layout(cfg.sharding.layout)
+    mesh = make_mesh(layout)
+    model_path = cfg.model.path
+    if model_path is None:
+        if task.tokenizer is None:
+            raise ConfigError(f"data.task={task.name} brings no tokenizer or model: set "
+                              f"model.path to a local HF model directory")
+        model_path = run_dir / INIT_MODEL_DIR
+        if not (reuse_init and broadcast((model_path / "config.json").is_file())):
+            _init_model(cfg, task.tokenizer(), model_path, mesh, layout)
+            console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to "
+                          f"{model_path}")
+    tokenizer = load_tokenizer(model_path)
+    model = from_pretrained(model_path, dtype=cfg.model.dtype,
+                            compute_dtype=cfg.model.compute_dtype, mesh=mesh,
+                            rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
+                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
+    model_config = model.config
+    processes = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    console.print(f"[bold]policy[/]: {model_config.model_type}, "
+                  f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
+                  f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}")
+
+    try:
+        batches = PromptSource(
+            task.train_rows, prompt_column="prompt", field_columns=task.field_columns,
+            chat_template=cfg.data.chat_template, max_prompt_len=cfg.data.max_prompt_len,
+            batch_size=cfg.data.batch_size, seed=cfg.train.seed).build(tokenizer)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"data: {e}") from None
+    try:
+        difficulty_N = None
+        if cfg.data.curriculum == "ordered":
+            column = task.train_rows[task.difficulty_column]
+            difficulty_N = np.asarray(column, np.float64)[batches.rows_N]
+        batches.use_sampler(make_prompt_sampler(
+            cfg.data.curriculum, batches.num_prompts, batches.batch_size, batches.seed,
+            difficulty_N=difficulty_N, group_size=cfg.rollout.num_generations))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"data.curriculum={cfg.data.curriculum}: {e}") from None
+    placement = Placement(mesh, layout.train_rules, task, tokenizer)
+    # Each process draws the whole batch's positions and keeps the rows its devices hold.
+    batches.use_rows(placement.process_rows(cfg.data.batch_size))
+    stats = batches.stats
+    console.print(f"[bold]data[/]: task {task.name}, {stats.num_prompts:,} prompts "
+                  f"({stats.num_dropped:,} of {stats.num_rows:,} dropped as longer than "
+                  f"data.max_prompt_len={cfg.data.max_prompt_len}; longest kept "
+                  f"{stats.longest} tokens)")
+
+    rewards = task.reward_set(tokenizer, task.train_rows)
+    ts = train_state_from_model(model, cfg.optim, mesh, layout.train_rules)
+    sampler_config = SamplerConfig(
+        max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
+        stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
+            tokenizer, model_config, cfg.rollout.stop_token_ids),
+        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params())
+    sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=mesh,
+                      rules=layout.rollout_rules)
+    ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
+    graphdef, state = nnx.split(ts)
+    algo = cfg.algo
+    if jax.process_count() > 1 and rewards.python_rewards and algo.mode == "fused":
+        # The fused program's reward callback would run on one process over the whole
+        # batch; split mode scores each process's own rows between its two programs.
+        algo = dataclasses.replace(algo, mode="split")
+        console.print(f"[bold]algo.mode[/]: split (Python rewards on {jax.process_count()} "
+                      f"processes: each scores its own rows; same results as fused)")
+    step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
+                      rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
+    run = Run(cfg, run_dir, mesh, layout, tokenizer, task, model_config, batches, placement,
+              step, ref_params)
+    return run, state
+
+
+def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path: Path,
+                mesh: Mesh, layout: Layout) -> Path:
+    """A random `model.init` policy for `tokenizer`, saved with it in HF format at `path`."""
+    init = cfg.model.init
+    dtype = cfg.model.dtype or "float32"
+    vocab_size = init.vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ConfigError(f"model.init.vocab_size={vocab_size} must be at least the "
+                          f"tokenizer's {len(tokenizer)} tokens (or null)")
+    config = ModelConfig(
+        model_type=init.family, vocab_size=vocab_size, hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size, num_layers=init.num_layers,
+        num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
+        head_dim=init.hidden_size // init.num_heads,
+        max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+        tie_word_embeddings=init.tie_word_embeddings, rope_theta=init.rope_theta,
+        qkv_bias=init.family == "qwen2",
+        qk_norm=init.family == "qwen3", bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, param_dtype=dtype,
+        compute_dtype=cfg.model.compute_dtype or dtype)
+    model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
+                           layout.train_rules)
+    save_pretrained(model, path)
+    if is_main():
+        tokenizer.save_pretrained(str(path))
+    sync("jaxrl: random policy saved")
+    return path
+
+
+def _phase_times(cfg: ExperimentConfig, mesh: Mesh) -> bool:
+    """perf.phase_times, or by default: stamps on accelerators, none on CPU (PerfSection.phase_times)."""
+    if cfg.perf.phase_times is not None:
+        return cfg.perf.phase_times
+    return mesh.devices.flat[0].platform != "cpu"

@@ -1,0 +1,194 @@
+"""Checkpoints of a training run: orbax's CheckpointManager under `<run_dir>/checkpoints/`.
+
+A checkpoint named k is taken after k steps (steps 0..k-1 done) and holds four items:
+
+    model      the policy's parameters (the TrainState's `model` part), each array sharded
+    optimizer  the optimizer state: Adam moments, update counts, skip counters
+    data       the prompt iterator and curriculum state (numpy arrays, `PromptBatches.state`)
+    meta       JSON: the step, the run's base PRNG key, the jaxrl version
+
+Saves are asynchronous: `save` returns once the arrays are copied off the device (the next
+step may donate them at once) and the files are written in a background thread; orbax writes
+into a temporary directory and renames it when complete, so a process killed mid-save leaves
+no checkpoint that looks whole. The last `keep` checkpoints are kept.
+
+`restore` takes a *target*, the state of a freshly built run: every array comes back with the
+target's sharding, so a run saved on one mesh layout resumes on another (the step programs
+are compiled for exactly those shardings). When the newest checkpoint cannot be read
+(truncated or missing files), it warns and falls back to the one before.
+
+Several processes: every process writes and reads its own shards, and a restore ends in
+orbax's barrier, so no process goes on before all have read their parts. A process that cannot
+read its part cannot take the others back to an older checkpoint with it (they wait in that
+barrier, and one process on another step than the others would mix two states): the run
+stops with a RestoreError naming the checkpoint to remove, and the others exit when they lose
+contact with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxrl import __version__
+from jaxrl.distributed import is_lost_peer
+from jaxrl.run.run_dir import CHECKPOINT_DIR
+
+logger = logging.getLogger("jaxrl.checkpoint")
+
+class RestoreError(RuntimeError):
+    """No checkpoint of a run could be restored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A restored checkpoint: `state` is the TrainState's nnx.State, sharded like the target."""
+
+    step: int
+    state: nnx.State
+    data: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+def _abstract(tree: Any) -> Any:
+    """Shape, dtype and sharding of every array of `tree`: the layout to restore into."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (module docstring)."""
+
+    def __init__(self, run_dir: str | Path, *, keep: int | None = 3, async_save: bool = True):
+        self.directory = (Path(run_dir) / CHECKPOINT_DIR).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+            cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints on disk, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: nnx.State, data: dict[str, np.ndarray],
+             key: jax.Array) -> None:
+        """Starts saving checkpoint `step`: returns once `state` may be donated. `data` (the
+        iterator's state) must not be empty."""
+        if not data:
+            raise ValueError("a checkpoint needs the prompt iterator's state; got no arrays")
+        meta = {"step": int(step), "key": np.asarray(jax.random.key_data(key)).tolist(),
+                "key_impl": str(jax.random.key_impl(key)), "jaxrl_version": __version__}
+        self._manager.save(step, args=ocp.args.Composite(
+            model=ocp.args.StandardSave(nnx.to_pure_dict(state["model"])),
+            optimizer=ocp.args.StandardSave(nnx.to_pure_dict(state["optimizer"])),
+            data=ocp.args.StandardSave(data),
+            meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def restore(self, target: nnx.State, step: int | None = None) -> Restored | None:
+        """The checkpoint `step` (default: the newest readable one) into the layout of
+        `target`; None when there is none. A checkpoint that fails to read is skipped with a
+        warning when no step was asked for (one process: see the module docstring); a
+        RestoreError when none can be read."""
+        steps = self.steps()
+        if step is not None:
+            return self._only(step, self._restore, self._existing(step, steps), target)
+        errors = []
+        for candidate in reversed(steps):
+            try:
+                return self._only(candidate, self._restore, candidate, target)
+            except RestoreError:
+                raise
+            except Exception as e:  # orbax/tensorstore raise many kinds on damaged files
+                if is_lost_peer(e):
+                    raise  # not this checkpoint's fault: another process is gone
+                errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:300]}")
+                logger.warning("checkpoint %d in %s cannot be read (%s: %s); falling back to "
+                               "the previous one", candidate, self.directory,
+                               type(e).__name__, str(e)[:300])
+        if errors:
+            raise RestoreError(f"no checkpoint in {self.directory} could be read:\n  "
+                                  + "\n  ".join(errors))
+        return None
+
+    def _only(self, step: int, read: Any, *args: Any) -> Any:
+        """`read(*args)`; with several processes a failure is a RestoreError (no fallback)."""
+        try:
+            return read(*args)
+        except Exception as e:
+            if jax.process_count() == 1 or is_lost_peer(e):
+                raise  # (another process failed; this one only lost contact with it)
+            raise RestoreError(
+                f"process {jax.process_index()} cannot read its part of checkpoint {step} in "
+                f"{self.directory} ({type(e).__name__}: {str(e)[:300]}); the processes of a run "
+                f"cannot fall back together: remove {self.directory / str(step)} to resume from "
+                f"the checkpoint before it") from e
+
+    def _existing(self, step: int, steps: list[int]) -> int:
+        if step not in steps:
+            raise RestoreError(f"no checkpoint at step {step} in {self.directory}; it has "
+                               f"{steps or 'none'}")
+        return step
+
+    def _restore(self, step: int, target: nnx.State) -> Restored:
+        model, optimizer = target["model"], target["optimizer"]
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(model))),
+            optimizer=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(optimizer))),
+            data=ocp.args.StandardRestore(),
+            meta=ocp.args.JsonRestore()))
+        state = jax.tree.map(lambda x: x, target)  # a new State of the same structure
+        nnx.replace_by_pure_dict(state["model"], out.model)
+        nnx.replace_by_pure_dict(state["optimizer"], out.optimizer)
+        data = {k: np.asarray(v) for k, v in out.data.items()}
+        return Restored(step, state, data, dict(out.meta))
+
+    def restore_model(self, target: nnx.State, step: int | None = None) -> tuple[int, nnx.State]:
+        """(step, the policy's parameters) of checkpoint `step` (default: the newest) into
+        the layout of `target` (a model's nnx.State): export and evaluation need no more."""
+        steps = self.steps()
+        if not steps:
+            raise RestoreError(f"no checkpoints in {self.directory}")
+        step = self._existing(steps[-1] if step is None else step, steps)
+        args = ocp.args.Composite(
+            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target))))
+        out = self._only(step, functools.partial(self._manager.restore, args=args), step)
+        state = jax.tree.map(lambda x: x, target)
+        nnx.replace_by_pure_dict(state, out.model)
+        return step, state
+
+
+def restore_key(meta: dict[str, Any]) -> jax.Array:
+    """The run's base PRNG key saved in a checkpoint's meta."""
+    return jax.random.wrap_key_data(np.asarray(meta["key"], np.uint32), impl=meta["key_impl"])
+
+
+def restore_policy(run_dir: str | Path, state: nnx.State, step: int | None = None
+                   ) -> tuple[int | None, nnx.State]:
+    """(its step, `state` with the policy of checkpoint `step` (default: the newest) of
+    `run_dir`); (None, `state`) when the run has no checkpoints."""
+    checkpoints = Checkpoints(run_dir, async_save=False)
+    try:
+        if not checkpoints.steps():
+            return None, state
+        step, model = checkpoints.restore_model(state["model"], step)
+    finally:
+        checkpoints.close()
+    state = jax.tree.map(lambda x: x, state)  # a new State: the caller's stays as it was
+    state["model"] = model
+    return step, state

@@ -1,0 +1,219 @@
+"""The training loop: build a run from its config, step it, log it, checkpoint it, evaluate it.
+
+    started = start_run(cfg, ...)    run dir, run, state (restored when resuming), preflight
+    for step in range(start, max_steps):
+        state, out = step(state, ...)    dispatch step N (returns at once: JAX runs it
+                                         asynchronously; the state is donated and returned)
+        record step N-1                  the device already works on N while the host logs;
+                                         the curriculum observes each prompt's success
+        every train.checkpoint_every steps, on SIGTERM and at the end: fetch step N's
+        metrics and save a checkpoint (asynchronous: the next step starts at once)
+        every eval.every steps: evaluate
+    save the final policy, evaluate on held-out prompts, plot, print the summary
+
+The host never waits on the device inside the loop except to fetch metrics one step late
+(nanodo's pattern), so host work (next batch, logging) overlaps device work.
+
+Several processes run this same loop in lockstep, each on its own rows of every batch; the
+metrics are global (every process fetches the same values), and only process 0 writes
+them, the plot and the evaluations; every process writes its checkpoint shards.
+
+Resuming is exact: step N's prompts come from the restored iterator, its key is
+fold_in(key, N) of the restored base key, the curriculum sees step j's results only when
+drawing step j + 2 (whenever they were fetched), and the train state comes back bit for bit;
+a resumed run's metrics equal an uninterrupted run's (timings aside).
+
+Faults: an update whose loss or gradient is not finite is skipped in the program
+(`train_on`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
+`NonFiniteError` (its metrics written, no checkpoint of the diverged state). SIGTERM
+(`preemption.py`) ends the run after the step in flight with a checkpoint, exit status 0.
+
+Before step 0, `preflight` compiles the step, checks its memory fit and counts its FLOPs;
+each step's record is made by `StepRecorder` (`recorder.py`, which defines its time/* and
+perf/* metrics). Progress lines show means over the steps since the previous line
+(`progress.py`).
+
+With `train.target_reward` set, the summary says when the moving average of reward/mean over
+TARGET_WINDOW steps first reached it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+from flax import nnx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxrl.config import ExperimentConfig
+from jaxrl.distributed import is_main
+from jaxrl.run import progress
+from jaxrl.run.build import policy, save_policy
+from jaxrl.run.evaluate import Evaluator, append_eval
+from jaxrl.run.metrics_log import MetricsLog, plot_rewards, summary_table
+from jaxrl.run.preemption import StopRequest
+from jaxrl.run.recorder import StepRecorder
+from jaxrl.run.run_dir import FINAL_MODEL_DIR, PLOT_FILE
+from jaxrl.run.start import Started, start_run
+from jaxrl.run.summary import run_summary
+
+__all__ = ["NonFiniteError", "train"]
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient: the run stopped."""
+
+
+def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict[str, Any]:
+    """Runs (or resumes) the experiment `cfg`; returns the summary (also printed as a table).
+
+    Metrics already fetched are never lost; a failure before step 0 leaves no new run
+    directory behind (`start_run`).
+    """
+    with StopRequest() as stop:
+        started = start_run(cfg, name, console)
+        checkpoints = started.checkpoints
+        try:
+            log = MetricsLog(started.run.run_dir, tensorboard=cfg.log.tensorboard,
+                             resume_at=started.start_step if started.resumed else None)
+            try:
+                state, train_s, stopped = _loop(cfg, started, log, stop, console)
+                summary = run_summary(started, log.records, train_s)
+                if stopped is not None:
+                    summary["stopped_by"] = stop.signal
+                    summary["checkpoint_step"] = stopped
+                    console.print(f"[bold yellow]{stop.signal}[/]: stopped after step {stopped} "
+                                  f"with a checkpoint; run the same command to resume")
+                else:
+                    _finish(cfg, started, state, log, summary)
+            finally:
+                log.close()
+        finally:
+            checkpoints.wait()
+            checkpoints.close()
+    run = started.run
+    if cfg.log.plot and log.records and is_main():
+        summary["plot"] = str(plot_rewards(log.records, run.run_dir / PLOT_FILE,
+                                           title=f"{name}: {run.task.name}",
+                                           target=cfg.train.target_reward))
+    console.print(summary_table(summary))
+    return summary
+
+
+def _finish(cfg: ExperimentConfig, started: Started, state: nnx.State, log: MetricsLog,
+            summary: dict[str, Any]) -> None:
+    """After the last step: the final policy in HF format, the final evaluation."""
+    run = started.run
+    if cfg.train.save_final:
+        summary["final_model"] = str(save_policy(run, state, run.run_dir / FINAL_MODEL_DIR))
+    if cfg.eval.num_prompts and run.task.eval_rows is not None:
+        result = Evaluator(run, cfg.eval)(policy(run.step, state)[1])
+        summary.update(result)
+        log.write_scalars(cfg.train.max_steps, result)
+        append_eval(run.run_dir, cfg.train.max_steps, result)
+
+
+def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRequest,
+          console: Console) -> tuple[nnx.State, float, int | None]:
+    """Steps from `started.start_step`; returns the final state, the seconds from the first
+    dispatch to the last metrics, and the step a stop signal ended the run after (None: it
+    ran to train.max_steps)."""
+    run, state, checkpoints = started.run, started.state, started.checkpoints
+    max_steps, every = cfg.train.max_steps, cfg.train.checkpoint_every
+    bar = _ProgressBar(console, max_steps, started.start_step, cfg.log.print_every)
+    recorder = StepRecorder(run, started.pre, log)
+    pending: tuple[int, Any] | None = None
+    # Each step's prompt positions (for the curriculum) and data metrics, taken at its draw.
+    drawn: dict[int, tuple[Any, dict[str, float]]] = {}
+    evaluator: Evaluator | None = None
+
+    def record(step: int, out: Any) -> None:
+        line = recorder.record(step, out, *drawn[step])
+        del drawn[step]  # only once recorded: a failed fetch is tried again in `finally`
+        bar.add(line)
+        if line["train/skipped_in_a_row"] >= cfg.train.max_skipped_in_a_row:
+            raise NonFiniteError(
+                f"step {step}: {int(line['train/skipped_in_a_row'])} steps in a row had a "
+                f"non-finite loss or gradient (their updates were skipped; "
+                f"train.max_skipped_in_a_row={cfg.train.max_skipped_in_a_row}); lower optim.lr, "
+                f"keep optim.max_grad_norm on, check the rewards for NaN, or resume from an "
+                f"earlier checkpoint")
+
+    stopped = None
+    with bar:
+        try:
+            for step in range(started.start_step, max_steps):
+                batch, placed = started.batch(step)
+                drawn[step] = (batch.all_positions_B, run.batches.metrics())
+                state, out = run.step(state, *placed, jax.random.fold_in(started.key, step),
+                                      run.ref_params)
+                if pending is not None:
+                    record(*pending)
+                pending = (step, out)
+                done = step + 1
+                stopping = stop.requested(step)
+                save = stopping or (every > 0 and (done % every == 0 or done == max_steps))
+                evaluate_now = (cfg.eval.every > 0 and done % cfg.eval.every == 0
+                                and done < max_steps and cfg.eval.num_prompts > 0
+                                and run.task.eval_rows is not None)
+                if save or evaluate_now:
+                    record(*pending)  # a checkpoint holds the curriculum's view of this step
+                    pending = None
+                if save:
+                    checkpoints.save(done, state, run.batches.state(), started.key)
+                if evaluate_now:
+                    evaluator = evaluator or Evaluator(run, cfg.eval)
+                    result = evaluator(policy(run.step, state)[1])
+                    log.write_scalars(done, result)
+                    append_eval(run.run_dir, done, result)
+                if stopping:
+                    stopped = done
+                    break
+        finally:
+            # Step N-1's metrics are computed even when step N failed or was interrupted.
+            if pending is not None and not (log.records and log.records[-1]["step"] == pending[0]):
+                record(*pending)
+    return state, time.perf_counter() - recorder.start, stopped
+
+
+class _ProgressBar:
+    """A live bar on a terminal, else a line every `print_every` steps; both show the means
+    over the steps since the previous line (`progress.py`)."""
+
+    def __init__(self, console: Console, max_steps: int, start_step: int, print_every: int):
+        self.console, self.max_steps, self.print_every = console, max_steps, print_every
+        self.since: list[dict[str, float]] = []
+        self.lines = 0
+        self.progress = Progress(
+            TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+            console=console, disable=not console.is_terminal)
+        self.task = self.progress.add_task("train", total=max_steps, completed=start_step,
+                                           status="compiling...")
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> _ProgressBar:
+        self.progress.__enter__()
+        if not self.console.is_terminal:
+            self.console.print(f"{progress.HEADER} (every {self.print_every} steps)")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def add(self, record: dict[str, float]) -> None:
+        """Counts one recorded step; shows the means when a line is due."""
+        step = int(record["step"])
+        self.since.append(record)
+        due = (step + 1) % self.print_every == 0 or step == self.max_steps - 1
+        if not (due or self.lines == 0):  # the first line comes after the first step
+            self.progress.update(self.task, completed=step + 1)
+            return
+        status = progress.status(self.since)
+        self.since, self.lines = [], self.lines + 1
+        self.progress.update(self.task, completed=step + 1, status=status)
+        if not self.console.is_terminal:
+            elapsed = time.perf_counter() - self.start
+            self.console.print(f"step {step + 1}/{self.max_steps}  {status}  ({elapsed:.0f}s)")

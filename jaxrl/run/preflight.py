@@ -1,0 +1,173 @@
+"""Before the first step: compile the step, check that it fits in memory, count its FLOPs.
+
+    pre = preflight(run, state, args, console)     args: the first step's arguments
+        1. run.step.compile(state, *args)   the step program(s), ahead of time; later steps
+                                            run these executables
+        2. memory fit                       XLA's memory analysis of those programs against
+                                            the device's memory (or perf.memory_limit_gib);
+                                            too big -> MemoryFitError with what to change
+        3. FLOP accounting                  the phase programs (`jaxrl.step.accounting`)
+        4. peak FLOP/s                      table / CPU calibration / perf.peak_tflops
+    pre.step_metrics(metrics, step_s)       perf/* and time/* of one fetched step
+
+MFU = perf/model_flops / (step_s x devices x peak); HFU the same with perf/xla_flops
+(DESIGN.md). A FLOP count that cost analysis could not give is left out of the metrics and
+the reason printed, never replaced by a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+
+from jaxrl.perf import (
+    MemoryReport,
+    Peak,
+    check_fit,
+    device_memory,
+    format_flops,
+    peak_flops,
+    program_memory,
+    utilization,
+)
+from jaxrl.run.build import Run
+from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
+from jaxrl.step.clock import phase_times
+
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What is known before the first step runs (module docstring)."""
+
+    memory: MemoryReport
+    accounting: StepAccounting | None  # None: perf.count_flops is off
+    peak: Peak | None  # None: unknown device kind and no perf.peak_tflops
+    num_devices: int
+    device_kind: str
+    compile_s: float
+    count_s: float
+
+    def step_metrics(self, metrics: dict[str, Any], step_s: float,
+                     stamps: dict[str, float]) -> dict[str, float]:
+        """time/generate_s, time/train_s and perf/* of a step from its fetched metrics."""
+        out: dict[str, float] = dict(phase_times(stamps))
+        if self.accounting is None:
+            return out
+        decode_steps = int(np.asarray(metrics["rollout/num_steps"])) - 1
+        for name, flops in self.accounting.metrics(decode_steps).items():
+            if flops is not None:
+                out[name] = flops
+        for ratio, flops_name in (("perf/mfu", "perf/model_flops"),
+                                  ("perf/hfu", "perf/xla_flops")):
+            if flops_name in out and step_s > 0 and self.peak is not None:
+                out[ratio] = utilization(out[flops_name], step_s, self.num_devices,
+                                         self.peak.flops_per_s)
+        return out
+
+
+def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Console, *,
+              refresh_peak: bool = False) -> Preflight:
+    """Compiles, checks the memory fit and counts FLOPs of `run`'s step (module docstring);
+    `refresh_peak` measures a CPU's matmul rate again instead of reading the cache."""
+    cfg = run.cfg
+    device = run.mesh.local_devices[0]  # this process's (a multi-process mesh spans others)
+    start = time.perf_counter()
+    with console.status("compiling the step program..."):
+        compiled = run.step.compile(state, *args, run.ref_params)
+    compile_s = time.perf_counter() - start
+    programs = [m for name, c in compiled.items()
+                if (m := program_memory(name, c)) is not None]
+    if run.ref_params is not None and "generate" in compiled:
+        # Split mode: the reference copy is live through the generate program too, though
+        # not one of its arguments.
+        programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + _device_bytes(
+            run.ref_params)) if m.name == "generate" else m for m in programs]
+    if cfg.perf.memory_limit_gib is not None:
+        limit, source = int(cfg.perf.memory_limit_gib * GIB), "perf.memory_limit_gib"
+    else:
+        try:
+            limit, source = device_memory(device)
+        except ValueError as e:
+            limit, source = 0, str(e)
+    if programs and limit > 0:
+        memory = check_fit(programs, limit, source, memory_suggestions(run))
+        console.print(f"[bold]memory[/]: {memory.describe()}")
+    else:
+        memory = MemoryReport(tuple(programs), limit, source)
+        why = source if limit <= 0 else "XLA gave no memory analysis on this backend"
+        console.print(f"[yellow]memory[/]: the fit was not checked: {why}")
+
+    accounting, count_s = None, 0.0
+    if cfg.perf.count_flops:
+        start = time.perf_counter()
+        with console.status("counting FLOPs of the phase programs..."):
+            accounting = account_step(
+                cfg.algo, run.model_config, run.step.sampler.config,
+                StepShapes(cfg.data.batch_size, cfg.data.max_prompt_len,
+                           cfg.rollout.num_generations, cfg.rollout.max_new_tokens),
+                run.step.graphdef, state)
+        count_s = time.perf_counter() - start
+        _print_flops(accounting, cfg.rollout.max_new_tokens, console)
+    try:
+        peak = peak_flops(device, override_tflops=cfg.perf.peak_tflops, refresh=refresh_peak)
+        console.print(f"[bold]peak[/]: {peak.flops_per_s / 1e12:.3g} TFLOP/s per device "
+                      f"({peak.source}); {run.mesh.size} x {device.device_kind}")
+    except ValueError as e:  # an accelerator missing from the table: no MFU, still train
+        peak = None
+        console.print(f"[yellow]peak[/]: unknown, no MFU/HFU: {e}")
+    return Preflight(memory, accounting, peak, run.mesh.size, device.device_kind, compile_s,
+                     count_s)
+
+
+def _print_flops(accounting: StepAccounting, max_new_tokens: int, console: Console) -> None:
+    full = max_new_tokens - 1  # decode steps when no completion stops early
+    model, xla, analytic = (accounting.metrics(full)[k] for k in
+                            ("perf/model_flops", "perf/xla_flops", "perf/analytic_flops"))
+    console.print(f"[bold]flops[/] per step (all {max_new_tokens} tokens decoded): model "
+                  f"{format_flops(model)}, XLA {format_flops(xla)}, analytic "
+                  f"{format_flops(analytic)}")
+    for line in accounting.model.unknown() + accounting.hardware.unknown():
+        console.print(f"[yellow]flops unknown[/]: {line}")
+
+
+def memory_suggestions(run: Run) -> list[str]:
+    """Concrete changes that shrink the step's peak memory, for this config."""
+    cfg, out = run.cfg, []
+    rows = cfg.data.batch_size * cfg.rollout.num_generations
+    minibatch, num_micro = cfg.algo.batch_split(rows)
+    micro = minibatch // num_micro
+    if micro > 1:
+        smaller = next(m for m in range(micro // 2, 0, -1) if minibatch % m == 0)
+        out.append(f"algo.microbatch_size={smaller} (now {micro} rows per gradient pass: "
+                   f"training activations scale with it)")
+    if cfg.model.remat == "none":
+        out.append("model.remat=block (keep only each block's input; recompute the rest in "
+                   "the backward pass)")
+    if cfg.algo.logprob_chunk_size is None and run.model_config.vocab_size > 8192:
+        out.append(f"algo.logprob_chunk_size=8192 (never hold [rows, completion, "
+                   f"{run.model_config.vocab_size}] logits at once)")
+    if run.mesh.size > 1 and run.mesh.shape.get("fsdp", 1) < run.mesh.size:
+        out.append(f"a layout with more fsdp (sharding.layout=fsdp: parameters and optimizer "
+                   f"state split over all {run.mesh.size} devices; now {dict(run.mesh.shape)})")
+    elif run.mesh.size == 1 and jax.device_count() > 1:
+        out.append(f"sharding.layout=fsdp (use all {jax.device_count()} devices, not one)")
+    if cfg.rollout.max_new_tokens > 1:
+        out.append(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens // 2} (the KV cache "
+                   f"and training sequences shrink with it)")
+    if run.model_config.param_dtype == "float32":
+        out.append("model.dtype=bfloat16 (half the parameter and optimizer memory)")
+    out.append(f"data.batch_size={max(1, cfg.data.batch_size // 2)} (fewer prompts per step)")
+    return out
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes of `tree`'s arrays held by one device (the first shard of each)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))

@@ -1,0 +1,59 @@
+"""One step's metrics record, from the step's fetched output: shared by `train` and `bench`.
+
+    record = recorder.record(step, out, positions_B, data_metrics)
+        the curriculum observes each prompt's success and signal (out.success_P, signal_P)
+        time/step_s         the interval between the end stamps of two steps on the device's
+                            timeline (`jaxrl.step.clock`), else between two fetches, or as
+                            measured by the caller (bench times each step on the host)
+        time/elapsed_s      since the recorder was made (the first dispatch)
+        perf/tokens_per_s   completion tokens (sampled, the stop token included) / time/step_s
+        time/generate_s, time/train_s, perf/*   from the stamps and the preflight's FLOPs
+    then writes it to the metrics log (metrics.jsonl, TensorBoard).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.run.build import Run
+from jaxrl.run.metrics_log import MetricsLog, to_record
+from jaxrl.run.preflight import Preflight
+from jaxrl.step import StepOutput
+from jaxrl.step.clock import step_seconds
+
+
+class StepRecorder:
+    """Records the steps of one run in order (module docstring)."""
+
+    def __init__(self, run: Run, pre: Preflight, log: MetricsLog):
+        self.run, self.pre, self.log = run, pre, log
+        self.start = self._last_fetch = time.perf_counter()
+        self._last_end: float | None = None
+
+    def record(self, step: int, out: StepOutput, positions_B: np.ndarray,
+               data_metrics: dict[str, float], step_s: float | None = None,
+               ) -> dict[str, float | int]:
+        """Fetches step `step`'s output (waiting for it), writes and returns its record."""
+        host = jax.device_get(out)
+        now = time.perf_counter()
+        self.run.batches.observe(step, positions_B, host.success_P, host.signal_P)
+        stamps = self.run.step.clock.pop()
+        if step_s is None:
+            step_s = step_seconds(stamps, self._last_end)
+        if step_s is None:  # no stamps: the interval between two fetches
+            step_s = now - self._last_fetch
+        self._last_fetch, self._last_end = now, stamps.get("end")
+        metrics: dict[str, Any] = dict(host.metrics)
+        metrics["time/step_s"] = step_s
+        metrics["time/elapsed_s"] = now - self.start
+        metrics["perf/tokens_per_s"] = (float(metrics["completion/len_mean"]) * self.run.rows
+                                        / step_s)
+        metrics.update(self.pre.step_metrics(metrics, step_s, stamps))
+        metrics.update(data_metrics)
+        record = to_record(step, metrics)
+        self.log.write(record)
+        return record

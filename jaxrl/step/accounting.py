@@ -1,0 +1,272 @@
+"""FLOP accounting of the RL step: each phase compiled as a loop-free program, counted by XLA.
+
+    prefill       sampler.prefill of the P prompts                       x 1
+    decode        sampler.decode_step + sample_rows of the B = P·G rows  x decode steps run
+    logprobs      completion_log_probs of one microbatch (old / ref)     x microbatches x (old + KL)
+    grad          value_and_grad(microbatch_loss) of one microbatch      x iterations x minibatches
+                                                                            x microbatches
+    update        the optimizer update                                   x iterations x minibatches
+
+These are the functions the step program runs (`jaxrl.rollout.sampler`, `jaxrl.step.phases`),
+compiled on abstract inputs of the step's global shapes with the layers unrolled and the
+vocabulary-chunk loop unrolled, so XLA's cost analysis sees every FLOP once
+(`jaxrl.perf.flops` explains why loops must go). Two variants:
+
+    model      remat off, whole-vocabulary log-probs: the work the step needs  -> perf/model_flops
+    hardware   remat and log-prob chunking as configured (recomputation included)
+                                                                               -> perf/xla_flops
+
+Both are compiled for the host CPU, on one device, whatever runs the step: XLA's GPU cost
+analysis undercounts fused GEMMs (measured on an H200 with jax 0.11: 0.1-0.6x the matmul
+FLOPs of train programs; jax-ml/jax#22249) and a custom call (cuDNN attention) adds nothing,
+while the CPU count of the same HLO matches the analytic one. So the counts do not depend on
+the layout (replicated work on a mesh is not counted) and the programs are never run. Layers
+are identical, so a model of L > 2 layers is counted from compiles of 1 and 2 layers,
+exactly: f(L) = f(1) + (L - 1) (f(2) - f(1)); compile time does not grow with depth. When
+the two variants would be the same program (no remat, no chunking) it is compiled once.
+
+Not counted: the reward, advantage and masking arithmetic (O(B·C) elementwise), and the
+sampling of the first token after prefill. The analytic count (`jaxrl.perf.analytic`) is
+computed beside both as a cross-check. (old: 0 when the step makes a single update, whose
+own forward gives the old log-probs; 1 otherwise.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jaxrl.config import AlgoSection
+from jaxrl.models import KVCache, ModelConfig, Transformer
+from jaxrl.perf import analytic
+from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
+from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
+from jaxrl.step.phases import completion_log_probs, microbatch_loss
+from jaxrl.step.state import TrainState
+
+PER_LAYER = ("prefill", "decode", "logprobs", "grad")  # programs that run the layers
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The static shapes of one RL step."""
+
+    prompts: int  # P
+    prompt_len: int  # padded prompt length
+    generations: int  # G
+    max_new_tokens: int  # C
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
+
+
+@dataclasses.dataclass(frozen=True)
+class StepAccounting:
+    """Model, hardware (XLA) and analytic FLOPs of a step; `decode_steps` is
+    `rollout/num_steps - 1` of that step."""
+
+    model: StepFlops
+    hardware: StepFlops
+    analytic: StepFlops
+
+    def metrics(self, decode_steps: int) -> dict[str, float | None]:
+        return {"perf/model_flops": self.model.total(decode_steps),
+                "perf/xla_flops": self.hardware.total(decode_steps),
+                "perf/analytic_flops": self.analytic.total(decode_steps)}
+
+
+def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerConfig,
+                 shapes: StepShapes, ts_graphdef: nnx.GraphDef, ts_state: nnx.State,
+                 ) -> StepAccounting:
+    """Compiles the phase programs (module docstring) and counts them; `ts_state` (the train
+    state, concrete or abstract) gives the optimizer update's shapes."""
+    trips = _trips(algo, shapes)
+    layers = model_config.num_layers
+    depths = (layers,) if layers <= 2 else (1, 2)
+    kinds = {"model": ("none", None)}
+    if (model_config.remat, algo.logprob_chunk_size) != ("none", None):
+        kinds["hardware"] = (model_config.remat, algo.logprob_chunk_size)
+    lowered: dict[tuple[str, int | None, str], jax.stages.Lowered] = {}
+    for kind, (remat, chunk) in kinds.items():
+        for depth in depths:
+            phases = _Phases(algo, model_config, sampler, shapes, trips, remat=remat,
+                             chunk_size=chunk, num_layers=depth)
+            lowered.update({(kind, depth, name): low for name, low in phases.lower().items()})
+        lowered[(kind, None, "update")] = _lower_update(ts_graphdef, ts_state)
+    # Tracing is sequential; XLA compiles without the GIL, so the programs (independent of
+    # each other) compile in parallel.
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        futures = {k: pool.submit(low.compile) for k, low in lowered.items()}
+        cost = {k: program_cost(k[2], f.result()) for k, f in futures.items()}
+
+    def count(kind: str) -> StepFlops:
+        def phase(name: str) -> ProgramCost:
+            if name not in PER_LAYER:
+                return cost[(kind, None, name)]
+            if len(depths) == 1:
+                return cost[(kind, depths[0], name)]
+            return extrapolate_layers(cost[(kind, 1, name)], cost[(kind, 2, name)], layers)
+
+        return StepFlops(
+            generate=(PhaseCount(phase("prefill"), 1),
+                      PhaseCount(phase("decode"), 0, per_decode_step=True)),
+            train=(PhaseCount(phase("logprobs"), trips["logprobs"]),
+                   PhaseCount(phase("grad"), trips["grad"]),
+                   PhaseCount(phase("update"), trips["update"])))
+
+    model = count("model")
+    hardware = count("hardware") if "hardware" in kinds else model
+    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips))
+
+
+def _trips(algo: AlgoSection, shapes: StepShapes) -> dict[str, int]:
+    minibatch, num_micro = algo.batch_split(shapes.rows)
+    updates = algo.num_iterations * algo.num_minibatches
+    return {"micro_rows": minibatch // num_micro,
+            "logprobs": shapes.rows // (minibatch // num_micro) * (
+                (not algo.single_update) + (algo.loss.beta > 0)),
+            "grad": updates * num_micro, "update": updates}
+
+
+def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int]) -> StepFlops:
+    p, c, b = shapes.prompt_len, shapes.max_new_tokens, trips["micro_rows"]
+
+    def phase(name, flops, n, per_decode_step=False):
+        return PhaseCount(ProgramCost(name, flops, None, "analytic"), n, per_decode_step)
+
+    return StepFlops(
+        generate=(phase("prefill", analytic.prefill_flops(config, shapes.prompts, p, c), 1),
+                  phase("decode", analytic.decode_step_flops(config, shapes.rows, p, c), 0,
+                        per_decode_step=True)),
+        train=(phase("logprobs", analytic.logprob_flops(config, b, p, c), trips["logprobs"]),
+               phase("grad", analytic.grad_flops(config, b, p, c), trips["grad"])))
+
+
+def _host() -> SingleDeviceSharding:
+    """Where the accounting programs are compiled (never run): the first CPU device."""
+    return SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def _abstract(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_host())
+
+
+def _lower(fn, *args, donate: tuple[int, ...] = ()) -> jax.stages.Lowered:
+    """`fn(*args)` lowered for the host CPU; `donate`: arguments the step updates in place
+    (the KV cache, the train state), so XLA's bytes accessed count no copy of them."""
+    return jax.jit(fn, donate_argnums=donate).lower(*args)
+
+
+def _lower_update(ts_graphdef: nnx.GraphDef, ts_state: nnx.State) -> jax.stages.Lowered:
+    """One optimizer update of the run's train state."""
+    state = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), ts_state)
+    grads = nnx.state(nnx.merge(ts_graphdef, state).model, nnx.Param)
+
+    def fn(state, grads):
+        ts: TrainState = nnx.merge(ts_graphdef, state)
+        ts.apply_gradients(grads)
+        return nnx.state(ts)
+
+    return _lower(fn, state, grads, donate=(0,))
+
+
+class _Phases:
+    """The per-layer phase programs of one variant, for a model of `num_layers` layers."""
+
+    def __init__(self, algo: AlgoSection, model_config: ModelConfig, sampler: SamplerConfig,
+                 shapes: StepShapes, trips: dict[str, int], *, remat: str,
+                 chunk_size: int | None, num_layers: int):
+        self.algo = dataclasses.replace(algo, logprob_chunk_size=chunk_size)
+        self.sampler, self.shapes, self.trips = sampler, shapes, trips
+        # XLA's own attention: the same FLOPs as a cuDNN kernel, which the host cannot compile
+        # (and whose custom call cost analysis would count as nothing).
+        config = dataclasses.replace(model_config, scan_layers=False, remat=remat,
+                                     num_layers=num_layers, attention_impl="xla")
+        self.graphdef, params = nnx.split(
+            nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+        self.params = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params)
+        self.config = config
+
+    def lower(self) -> dict[str, jax.stages.Lowered]:
+        """The phase programs, traced and lowered (not yet compiled)."""
+        return {"prefill": self._prefill(), "decode": self._decode(),
+                "logprobs": self._logprobs(), "grad": self._grad()}
+
+    def _rows(self, rows, *tail, dtype=jnp.int32):
+        return _abstract((rows, *tail), dtype)
+
+    # ------------------------------------------------------------------ the programs
+
+    def _prefill(self) -> jax.stages.Lowered:
+        s = self.shapes
+
+        def fn(params, ids_BxP, mask_BxP):
+            return prefill(nnx.merge(self.graphdef, params), ids_BxP, mask_BxP,
+                           s.max_new_tokens)
+
+        return _lower(fn, self.params, self._rows(s.prompts, s.prompt_len),
+                      self._rows(s.prompts, s.prompt_len, dtype=jnp.bool_))
+
+    def _decode(self) -> jax.stages.Lowered:
+        s, cfg = self.shapes, self.config
+        slots = s.prompt_len + s.max_new_tokens - 1
+        kv_shape = (cfg.num_layers, s.rows, slots, cfg.num_kv_heads, cfg.head_dim)
+        kv = _abstract(kv_shape, cfg.compute_dtype)
+        cache = KVCache(kv, kv, self._rows(s.rows, slots, dtype=jnp.bool_),
+                        _abstract((), jnp.int32))
+
+        def fn(params, token_B, position_B, cache, key_data_Bx2, t):
+            logits_BxV, cache = decode_step(nnx.merge(self.graphdef, params), token_B,
+                                            position_B, cache)
+            keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
+                jax.random.wrap_key_data(key_data_Bx2), t)
+            return sample_rows(keys_B, logits_BxV, self.sampler.sampling), cache
+
+        return _lower(fn, self.params, self._rows(s.rows), self._rows(s.rows), cache,
+                      self._rows(s.rows, 2, dtype=jnp.uint32), _abstract((), jnp.int32),
+                      donate=(3,))
+
+    def _microbatch(self) -> dict[str, Any]:
+        s, b = self.shapes, self.trips["micro_rows"]
+        t, c = s.prompt_len + s.max_new_tokens, s.max_new_tokens
+        mb = {"ids_BxT": self._rows(b, t), "mask_BxT": self._rows(b, t, dtype=bool),
+              "loss_mask_BxC": self._rows(b, c, dtype=bool),
+              "adv_B": self._rows(b, dtype=jnp.float32)}
+        if not self.algo.single_update:
+            mb["old_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
+        if self.algo.loss.beta > 0:
+            mb["ref_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
+        if self.algo.loss.tis_cap is not None:
+            mb["sampler_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
+        return mb
+
+    def _logprobs(self) -> jax.stages.Lowered:
+        algo = self.algo
+
+        def fn(params, mb):
+            return completion_log_probs(nnx.merge(self.graphdef, params), mb,
+                                        self.sampler.sampling.temperature,
+                                        algo.logprob_chunk_size, unroll=True)[0]
+
+        return _lower(fn, self.params, self._microbatch())
+
+    def _grad(self) -> jax.stages.Lowered:
+        algo = self.algo
+        count = _abstract((), jnp.int32)
+
+        def fn(params, mb, num_tokens, num_seqs):
+            def loss(model):
+                return microbatch_loss(algo, model, mb, num_tokens, num_seqs,
+                                       self.sampler.sampling.temperature, unroll=True)
+
+            return nnx.value_and_grad(loss, has_aux=True)(nnx.merge(self.graphdef, params))
+
+        return _lower(fn, self.params, self._microbatch(), count, count)

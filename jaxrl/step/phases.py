@@ -1,0 +1,285 @@
+"""The phases of one RL step as plain functions: generate, score, advantages, train_on.
+
+    rollout          = generate(sampler, policy weights, prompts, key)
+    r_B, metrics     = score(rewards, reward_inputs(rollout, fields_P, rows_P))
+    r_B              = shape_rewards(cfg, r_B, completion mask)     DAPO overlong penalty, if on
+    adv_B, mask_BxC  = advantages(cfg, r_B, completion mask)        zero-std groups masked out
+    train_on(cfg, train_state, batch):
+        old_logp = stop_gradient(logp of the policy before any update)    one forward per step,
+                   skipped when the step makes a single update (see below)
+        for each iteration, for each minibatch:
+            g = sum over microbatches of grad(policy loss of the microbatch)
+            apply_gradients(g)                                            one optimizer update
+
+The step builder (`jaxrl.step.builder`) composes them into compiled programs; every function
+here is pure and traceable (train_on updates its nnx TrainState in place, nnx style).
+
+Deliberate choices:
+- Microbatch losses are normalised by the counts of their whole minibatch (valid tokens,
+  non-empty sequences; `policy_loss`'s num_tokens / num_seqs), so the summed gradients of the
+  microbatches are the minibatch's gradient, whatever the aggregation: accumulation ≡ full
+  batch up to float rounding, and the loss metrics sum the same way.
+- Minibatches and microbatches are *strided* row sets (minibatch m of M holds rows
+  m, m + M, m + 2M, ...): on a mesh every slice then stays evenly split over the devices
+  that hold the batch rows, so slicing moves no data. A minibatch thus mixes groups;
+  advantages are computed over the whole batch before, so nothing depends on that.
+- old_logp is recomputed by the trainer's forward instead of reusing the sampler's: the
+  ratio of the first update is then exactly 1, and the sampler's own log-probs (at
+  temperature 1, `logp_raw_BxC`) serve only TIS, which corrects the sampler/trainer gap.
+- When a step makes one update (num_iterations x num_minibatches == 1) the policy that
+  computes the loss *is* the old policy, so old_logp = stop_gradient(logp) of the same
+  forward: one forward pass per step less, the same loss and gradient (the ratio is exactly
+  1 either way).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxrl.config import AlgoSection
+from jaxrl.rl import (
+    RewardInputs,
+    RewardSet,
+    chunked_log_probs_and_entropy,
+    dr_grpo_advantages,
+    grpo_advantages,
+    overlong_penalty,
+    policy_loss,
+    rloo_advantages,
+    token_entropy,
+    token_log_probs,
+    zero_std_frac,
+    zero_std_groups,
+)
+from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.sharding import constrain
+from jaxrl.step.state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def generate(sampler: Sampler, params: nnx.State, prompts: Prompts, key: jax.Array) -> Rollout:
+    """G completions per prompt from the policy whose weights are `params` (traceable)."""
+    return sampler.generate_traced(params, prompts, key)
+
+
+def reward_inputs(rollout: Rollout, fields_P: dict[str, jax.Array], rows_P: jax.Array,
+                  group_size: int) -> RewardInputs:
+    """The rollout's rows with each prompt's task fields and dataset row repeated G times."""
+    def repeat(x):
+        return jnp.repeat(jnp.asarray(x), group_size, axis=0)
+
+    return RewardInputs(
+        prompt_ids_BxP=rollout.prompt_ids_BxP, prompt_mask_BxP=rollout.prompt_mask_BxP,
+        completion_ids_BxC=rollout.completion_ids_BxC,
+        completion_mask_BxC=rollout.completion_mask_BxC,
+        fields={k: repeat(v) for k, v in fields_P.items()}, rows_B=repeat(rows_P))
+
+
+def score(rewards: RewardSet, inputs: RewardInputs,
+          host_values: tuple[jax.Array, jax.Array] | None = None,
+          ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(reward_B, reward metrics); Python rewards by callback unless `host_values` are given."""
+    return rewards.score(inputs, host_values)
+
+
+def shape_rewards(cfg: AlgoSection, rewards_B: jax.Array, completion_mask_BxC: jax.Array,
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """rewards_B + DAPO's overlong penalty (`overlong_penalty`, soft zone = the last
+    `cfg.overlong_buffer` tokens of the completion budget C) when it is on."""
+    if cfg.overlong_buffer is None:
+        return rewards_B, {}
+    budget = completion_mask_BxC.shape[1]
+    lengths_B = jnp.sum(completion_mask_BxC.astype(jnp.int32), axis=1)
+    penalty_B = overlong_penalty(lengths_B, budget, cfg.overlong_buffer)
+    return rewards_B + penalty_B, {"reward/overlong": jnp.mean(penalty_B)}
+
+
+def advantages(cfg: AlgoSection, rewards_B: jax.Array, mask_BxC: jax.Array, group_size: int,
+               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(adv_B, loss mask_BxC, metrics): the configured estimator, zero-std groups masked."""
+    if cfg.advantage == "grpo":
+        adv_B = grpo_advantages(rewards_B, group_size, cfg.scale_rewards)
+    elif cfg.advantage == "rloo":
+        adv_B = rloo_advantages(rewards_B, group_size)
+    else:
+        adv_B = dr_grpo_advantages(rewards_B, group_size)
+    mask_BxC = mask_BxC.astype(bool)
+    if cfg.mask_zero_std_groups:
+        mask_BxC = mask_BxC & ~zero_std_groups(rewards_B, group_size)[:, None]
+    return adv_B, mask_BxC, {"rollout/zero_std_frac": zero_std_frac(rewards_B, group_size)}
+
+
+def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) -> Batch:
+    """The arrays `train_on` reads, one row per sample: prompt ⊕ completion and its mask."""
+    return {
+        "ids_BxT": jnp.concatenate([rollout.prompt_ids_BxP, rollout.completion_ids_BxC], 1),
+        "mask_BxT": jnp.concatenate([rollout.prompt_mask_BxP.astype(bool),
+                                     rollout.completion_mask_BxC.astype(bool)], 1),
+        "loss_mask_BxC": loss_mask_BxC, "adv_B": adv_B, "sampler_logp_BxC": rollout.logp_raw_BxC,
+    }
+
+
+def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
+                         chunk_size: int | None = None, *, unroll: bool = False,
+                         ) -> tuple[jax.Array, jax.Array]:
+    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
+
+    Only the C positions that predict completion tokens are projected onto the vocabulary.
+    With `chunk_size` the projection runs in chunks of that many columns
+    (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
+    unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
+    """
+    c = batch["loss_mask_BxC"].shape[1]
+    targets_BxC = batch["ids_BxT"][:, -c:]
+    # The hidden state at position t predicts token t + 1: completion token i is predicted
+    # at P - 1 + i.
+    hidden_BxCxE = model.hidden_states(batch["ids_BxT"], batch["mask_BxT"])[:, -c - 1:-1]
+    if chunk_size is not None:
+        return chunked_log_probs_and_entropy(
+            hidden_BxCxE, model.output_embedding(), targets_BxC, temperature=temperature,
+            chunk_size=chunk_size, unroll=unroll)
+    logits_BxCxV = constrain(jnp.einsum("bce,ev->bcv", hidden_BxCxE, model.output_embedding(),
+                                        preferred_element_type=jnp.float32),
+                             ("batch", "seq", "act_vocab"))
+    return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
+            token_entropy(logits_BxCxV, temperature))
+
+
+def _split(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B / n, ...], slice i holding rows i, i + n, i + 2n, ... (strided)."""
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _unsplit(x: jax.Array) -> jax.Array:
+    """The inverse of `_split`."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: Batch,
+                  num_micro: int, temperature: float, chunk_size: int | None) -> jax.Array:
+    """stop_gradient(logp_BxC) of the model `merge(graphdef, *states)`, by microbatches."""
+    def one(mb):
+        # A fresh copy per traced scope: nnx rejects Variables of another trace level.
+        model = nnx.merge(graphdef, *states, copy=True)
+        return completion_log_probs(model, mb, temperature, chunk_size)[0]
+
+    parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
+    return jax.lax.stop_gradient(_unsplit(parts))
+
+
+def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
+                    num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
+    counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus ref log-probs and the old
+    ones (without them, the step's only update: old = stop_gradient(new))."""
+    logp_BxC, entropy_BxC = completion_log_probs(model, mb, temperature,
+                                                 cfg.logprob_chunk_size, unroll=unroll)
+    old_logp_BxC = mb.get("old_logp_BxC")
+    if old_logp_BxC is None:  # one update per step: this forward is the old policy's
+        old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
+    return policy_loss(
+        logp_BxC, old_logp_BxC, mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
+        ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
+        entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
+        num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float, *,
+             ref_params: nnx.State | None = None,
+             lr_schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
+    """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place.
+
+    Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
+    (and tis/weight_mean), grad_norm (global norm before clipping) and lr (when a schedule is
+    given); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
+    is not finite is not applied.
+    """
+    rows = batch["loss_mask_BxC"].shape[0]
+    minibatch, num_micro = cfg.batch_split(rows)
+    total_micro = rows // (cfg.microbatch_size or minibatch)
+    model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+    batch = dict(batch)  # entries are added and removed below, never in the caller's dict
+    if not cfg.single_update:
+        batch["old_logp_BxC"] = _forward_logp(model_graphdef, (params, rest), batch,
+                                              total_micro, temperature,
+                                              cfg.logprob_chunk_size)
+    if cfg.loss.beta > 0:
+        if ref_params is None:
+            raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
+                             f"reference params (train.reference_params)")
+        batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
+                                              total_micro, temperature,
+                                              cfg.logprob_chunk_size)
+    if cfg.loss.tis_cap is None:
+        del batch["sampler_logp_BxC"]
+
+    def loss_fn(model, mb, num_tokens, num_seqs):
+        return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature)
+
+    graphdef = nnx.graphdef(ts)
+
+    def update(state, mini):
+        ts = nnx.merge(graphdef, state, copy=True)
+        counts_B = jnp.sum(mini["loss_mask_BxC"], axis=1)
+        num_tokens, num_seqs = jnp.sum(counts_B), jnp.sum(counts_B > 0)
+        params = nnx.state(ts.model, nnx.Param)
+
+        def accumulate(carry, mb):
+            model = nnx.merge(graphdef, state, copy=True).model
+            (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+                model, mb, num_tokens, num_seqs)
+            return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+        zero_metrics = jax.eval_shape(
+            lambda mb: loss_fn(nnx.merge(graphdef, state, copy=True).model, mb, num_tokens,
+                               num_seqs)[1],
+            jax.tree.map(lambda x: x[:minibatch // num_micro], mini))
+        zeros = (jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics))
+        (grads, metrics), _ = jax.lax.scan(
+            accumulate, zeros, jax.tree.map(lambda x: _split(x, num_micro), mini))
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        if lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(lr_schedule(ts.step), jnp.float32)
+        ts.apply_gradients(grads)
+        # A non-finite loss or gradient skips the update: every parameter, moment and count
+        # keeps its value (an elementwise select, fused into the update by XLA).
+        finite = jnp.isfinite(metrics["grad_norm"])
+        for name, value in metrics.items():
+            if name.startswith("loss/"):
+                finite &= jnp.isfinite(value)
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                 nnx.state(ts), state)
+        return new_state, (metrics, ~finite)
+
+    def iteration(state, _):
+        minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches), batch)
+        return jax.lax.scan(update, state, minibatches)
+
+    state, (metrics, skipped) = jax.lax.scan(iteration, nnx.state(ts), None,
+                                             length=cfg.num_iterations)
+    nnx.update(ts, state)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics.update(ts.count_skips(jnp.sum(skipped, dtype=jnp.int32)))
+    return metrics
+
+
+def completion_metrics(rollout: Rollout, stop_token_ids: tuple[int, ...],
+                       ) -> dict[str, Any]:
+    """completion/len_mean, completion/clipped_frac (no stop token within the budget) and
+    rollout/num_steps (filled completion columns: decode steps + 1)."""
+    mask_BxC = rollout.completion_mask_BxC.astype(bool)
+    stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
+    stopped_B = jnp.any(mask_BxC & jnp.isin(rollout.completion_ids_BxC, stop_ids), axis=1)
+    return {
+        "completion/len_mean": jnp.mean(jnp.sum(mask_BxC, axis=1), dtype=jnp.float32),
+        "completion/clipped_frac": jnp.mean(mask_BxC[:, -1] & ~stopped_B, dtype=jnp.float32),
+        "rollout/num_steps": rollout.num_steps,
+    }

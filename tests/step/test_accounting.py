@@ -1,0 +1,127 @@
+"""FLOP accounting of the RL step: XLA's count of the loop-free phase programs against the
+analytic count, trip counts from the algo config, remat in the hardware count, deep models."""
+
+import dataclasses
+import functools
+
+import jax
+import pytest
+from flax import nnx
+
+from jaxrl.config import AlgoSection, OptimSection
+from jaxrl.models import Transformer
+from jaxrl.models.config import tiny_config
+from jaxrl.perf.flops import program_cost
+from jaxrl.rl import PolicyLossConfig
+from jaxrl.rollout import SamplerConfig
+from jaxrl.sharding import load_layout, make_mesh
+from jaxrl.step import create_train_state
+from jaxrl.step.accounting import StepShapes, _Phases, _trips, account_step
+
+# Small, but with matmuls large enough that elementwise work (norms, softmax, RoPE) is a
+# few percent of the count, as in real models.
+CONFIG = tiny_config("qwen2", hidden_size=128, intermediate_size=512, num_heads=4,
+                     num_kv_heads=2, head_dim=32, vocab_size=256)
+SHAPES = StepShapes(prompts=4, prompt_len=8, generations=4, max_new_tokens=8)
+ALGO = AlgoSection(num_iterations=2, num_minibatches=2, microbatch_size=4,
+                  loss=PolicyLossConfig(beta=0.04))
+
+
+@functools.cache
+def _account(layout="single", remat="none", chunk=None, layers=2):
+    config = dataclasses.replace(CONFIG, remat=remat, num_layers=layers)
+    lay = load_layout(layout)
+    mesh = make_mesh(lay, jax.devices()[:1] if layout == "single" else None)
+    ts = create_train_state(lambda: Transformer(config, rngs=nnx.Rngs(0)), OptimSection(), mesh,
+                            lay.train_rules)
+    graphdef, state = nnx.split(ts)
+    algo = dataclasses.replace(ALGO, logprob_chunk_size=chunk)
+    sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
+                            num_generations=SHAPES.generations)
+    return account_step(algo, config, sampler, SHAPES, graphdef, state)
+
+
+def _phases(step_flops):
+    return {p.cost.name: p for p in (*step_flops.generate, *step_flops.train)}
+
+
+def test_trip_counts_follow_the_algo_config():
+    phases = _phases(_account().model)
+    # 16 rows: 4 microbatches of 4; old and reference log-probs (beta > 0) for each.
+    assert phases["logprobs"].trips == 4 * 2
+    # 2 iterations x 2 minibatches of 8 rows x 2 microbatches of 4.
+    assert phases["grad"].trips == 2 * 2 * 2
+    assert phases["update"].trips == 2 * 2
+    assert phases["prefill"].trips == 1 and phases["decode"].per_decode_step
+
+
+def test_a_single_update_step_runs_no_old_log_prob_forward():
+    trips = _trips(AlgoSection(microbatch_size=4), SHAPES)
+    assert trips["logprobs"] == 0 and trips["grad"] == 4 and trips["update"] == 1
+    with_kl = _trips(AlgoSection(microbatch_size=4, loss=PolicyLossConfig(beta=0.1)), SHAPES)
+    assert with_kl["logprobs"] == 4  # the reference forward only
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "logprobs", "grad"])
+def test_xla_model_flops_match_the_analytic_count_within_5_percent(phase):
+    acc = _account()
+    xla, expected = _phases(acc.model)[phase].cost.flops, _phases(acc.analytic)[phase].cost.flops
+    # Elementwise work is what XLA counts on top of the matmuls: never less, a few % more.
+    assert expected <= xla <= 1.05 * expected, (phase, xla, expected)
+
+
+def test_step_total_is_phases_times_trips():
+    acc = _account()
+    phases = _phases(acc.model)
+    manual = (phases["prefill"].cost.flops + 5 * phases["decode"].cost.flops
+              + sum(phases[n].cost.flops * phases[n].trips for n in ("logprobs", "grad", "update")))
+    assert acc.metrics(5)["perf/model_flops"] == pytest.approx(manual)
+    assert acc.metrics(7)["perf/model_flops"] > acc.metrics(5)["perf/model_flops"]
+    # One device, no remat, no chunking: the hardware program is the model program.
+    assert acc.hardware is acc.model
+
+
+def test_remat_adds_hardware_flops_but_not_model_flops():
+    plain, remat = _account(), _account(remat="block")
+    assert remat.model == plain.model  # model FLOPs are counted without remat
+    grad_plain = _phases(plain.hardware)["grad"].cost.flops
+    grad_remat = _phases(remat.hardware)["grad"].cost.flops
+    # Recomputing each block's forward in the backward pass: about one more forward of the
+    # layers (a third of fwd + bwd), less the vocabulary projection.
+    assert grad_plain * 1.15 < grad_remat < grad_plain * 1.4
+    assert _phases(remat.hardware)["decode"].cost.flops == pytest.approx(
+        _phases(plain.hardware)["decode"].cost.flops)
+
+
+def test_chunked_log_probs_are_counted_in_every_chunk():
+    plain, chunked = _account(), _account(chunk=64)  # 4 chunks of the 256-token vocabulary
+    logp_plain = _phases(plain.model)["logprobs"].cost.flops
+    logp_chunked = _phases(chunked.hardware)["logprobs"].cost.flops
+    # A loop counted once would see a quarter of the vocabulary projection.
+    assert logp_chunked == pytest.approx(logp_plain, rel=0.05)
+
+
+def test_a_cudnn_attention_config_is_counted_with_xla_attention_on_the_host():
+    cudnn = dataclasses.replace(CONFIG, attention_impl="cudnn")
+    sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
+                            num_generations=SHAPES.generations)
+    phases = _Phases(ALGO, cudnn, sampler, SHAPES, _trips(ALGO, SHAPES), remat="none",
+                     chunk_size=None, num_layers=1)
+    assert phases.config.attention_impl == "xla"
+    decode = program_cost("decode", phases.lower()["decode"].compile())
+    assert decode.flops and decode.flops > 0
+
+
+def test_deep_models_are_counted_exactly_from_one_and_two_layers():
+    deep = _account(layers=3)  # counted from 1- and 2-layer compiles
+    phases = _phases(deep.model)
+    direct = _Phases(ALGO, dataclasses.replace(CONFIG, num_layers=3),
+                     SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
+                                   num_generations=SHAPES.generations),
+                     SHAPES, _trips(ALGO, SHAPES), remat="none", chunk_size=None,
+                     num_layers=3).lower()
+    for name, lowered in direct.items():
+        assert phases[name].cost.flops == pytest.approx(
+            program_cost(name, lowered.compile()).flops, rel=1e-6), name
+    two = _phases(_account().model)
+    assert phases["grad"].cost.flops > 1.3 * two["grad"].cost.flops
