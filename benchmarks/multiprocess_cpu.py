@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxrl.run.run_dir import FINAL_MODEL_DIR, METRICS_FILE
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("time/", "perf/")
 RUN = ["sharding.layout=fsdp", "perf.count_flops=false", "eval.num_prompts=0",
@@ -40,14 +42,14 @@ def _run(name: str, command: list[str], env: dict[str, str], run_dir: Path) -> d
     if out.returncode:
         sys.exit(f"{name} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     return {
         "name": name,
         "median_step_s": float(np.median([r["time/step_s"] for r in records[1:]])),
         "setup_s": summary["setup_s"],
         "metrics": [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records],
         "params": hashlib.sha256(
-            (run_dir / "final_model" / "model.safetensors").read_bytes()).hexdigest(),
+            (run_dir / FINAL_MODEL_DIR / "model.safetensors").read_bytes()).hexdigest(),
     }
 
 

@@ -33,6 +33,7 @@ def main() -> None:
     from jaxrl.config import ExperimentConfig, load_config
     from jaxrl.run.loop import train
     from jaxrl.run.metrics_log import read_metrics
+    from jaxrl.run.run_dir import METRICS_FILE
 
     quiet = Console(stderr=True, quiet=True)
     rows = []
@@ -42,7 +43,7 @@ def main() -> None:
                               [f"train.seed={seed}", f"train.run_dir={tmp}/seed{seed}",
                                "log.tensorboard=false", "log.plot=false", *args.overrides])
             summary = train(cfg, quiet, name=f"seed{seed}")
-            records = read_metrics(Path(tmp) / f"seed{seed}" / "metrics.jsonl")
+            records = read_metrics(Path(tmp) / f"seed{seed}" / METRICS_FILE)
             target = summary.get("target_step")
             row = {"seed": seed, "target_step": target,
                    "target_step_s_sum": None if target is None else sum(

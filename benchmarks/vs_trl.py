@@ -160,6 +160,8 @@ def jaxrl_config(work: Path, workload: dict, steps_total: int) -> Path:
 
 def run_jaxrl(work: Path, workload: dict, warmup: int, steps: int) -> dict:
     """`jaxrl bench` in a subprocess; its last stdout line (JSON)."""
+    from jaxrl.run.run_dir import METRICS_FILE
+
     config = jaxrl_config(work, workload, warmup + steps)
     run_dir = work / "jaxrl_run"
     shutil.rmtree(run_dir, ignore_errors=True)  # a jaxrl run directory is never reused
@@ -169,7 +171,7 @@ def run_jaxrl(work: Path, workload: dict, warmup: int, steps: int) -> dict:
     result = _last_json_line(subprocess.run(cmd, stdout=subprocess.PIPE, text=True), "jaxrl")
     # The bench JSON's tokens_per_s is total tokens / total seconds; for the same statistic as
     # the TRL half, take the median of the measured steps' rates from its metrics.jsonl.
-    lines = (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(result["run_dir"]) / METRICS_FILE).read_text().splitlines()
     measured = [r for r in map(json.loads, lines) if r["step"] >= warmup]
     assert all(r["completion/len_mean"] == COMPLETION_TOKENS for r in measured), measured
     result["bench_tokens_per_s"] = result["tokens_per_s"]

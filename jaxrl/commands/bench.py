@@ -6,7 +6,7 @@
     W warm-up steps, then N measured steps, each waited for (block_until_ready)
     print a table and, as the last line of stdout, one JSON object (`BENCH_KEYS`)
 
-Measured steps are timed one by one on the host (dispatch to metrics ready), so the
+Measured steps are timed one by one on the host (dispatch to outputs ready), so the
 numbers are the latency of a step, not hidden by the next one's dispatch. MFU/HFU use the
 median step; the generate/train split comes from stamps inside the program
 (`jaxrl.step.clock`), each step recorded like training's (`jaxrl.run.recorder`). `decode_tokens_per_s` is completion tokens / generate seconds, prefill

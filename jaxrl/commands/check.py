@@ -20,7 +20,7 @@ from flax import nnx
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.config import Family, ModelSection, ShardingSection
+from jaxrl.config import Family, ModelSection, ShardingSection, require_at_least
 from jaxrl.models import Transformer, from_pretrained, save_pretrained
 from jaxrl.models.config import tiny_config
 from jaxrl.sharding import create_sharded, make_mesh, resolve_layout, use_rules
@@ -37,9 +37,7 @@ class CheckSection:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"check.{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least("check", self, ("batch_size", "seq_len"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,8 @@
     policy  = the run directory's latest checkpoint (--step N: that one) when it has
               checkpoints; else its final_model/; else model.path; else its init_model/;
               else a random `model.init` policy (saved to init_model/, as training does)
-    metrics = Evaluator(run, cfg.eval)(policy(run.step, state)[1])         eval/reward_mean, eval/exact_match, eval/pass@k,
-                                              eval/num_prompts, eval/num_samples
+    metrics = Evaluator(run, cfg.eval)(the policy's parameters)
+              eval/reward_mean, eval/exact_match, eval/pass@k, eval/num_prompts, num_samples
     prints a table and returns the JSON object the CLI prints as its last stdout line;
     appends {"step": s, **metrics} to <run_dir>/eval.jsonl (s: the checkpoint's step, null
     for a model directory), where training appends its own evaluations.

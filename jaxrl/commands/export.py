@@ -35,7 +35,7 @@ def run_export(run_dir: str | Path, out: str | Path, console: Console, *,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; "
                           f"choose a new one")
-    cfg = load_config(ExperimentConfig, run_dir / CONFIG_FILE)
+    cfg = load_config(ExperimentConfig, run_dir / CONFIG_FILE, saved=True)
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / INIT_MODEL_DIR
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"the run's initial model {str(model_dir)!r} (its architecture and "

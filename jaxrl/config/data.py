@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import Literal, get_args
 
-from jaxrl.config.load import require_at_least
+from jaxrl.config.load import fail, require_at_least
 
 TaskName = Literal["addition", "gsm8k", "math", "custom"]
 AnswerFormat = Literal["boxed", "tags"]  # jaxrl.data.tasks.formats
@@ -77,13 +77,11 @@ class DataSection:
             raise ValueError("data.curriculum=ordered goes from easy to hard: set "
                              "data.difficulty_column to a numeric column of the dataset")
         if not 1 <= self.num_digits <= 18:
-            raise ValueError(f"data.num_digits must be in [1, 18], got {self.num_digits}")
+            fail("data", self, "num_digits", "in [1, 18]")
         if self.format not in ANSWER_FORMATS:
-            raise ValueError(f"data.format must be one of {', '.join(ANSWER_FORMATS)}, got "
-                             f"{self.format!r}")
+            fail("data", self, "format", f"one of {', '.join(ANSWER_FORMATS)}")
         if not (math.isfinite(self.format_weight) and self.format_weight >= 0):
-            raise ValueError(f"data.format_weight must be a finite number >= 0 (0: off), got "
-                             f"{self.format_weight!r}")
+            fail("data", self, "format_weight", "a finite number >= 0 (0: off)")
         if self.task in SYNTHETIC_TASKS:
             self._check_synthetic()
         else:

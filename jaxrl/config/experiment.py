@@ -27,6 +27,7 @@ from jaxrl.config.model import ShardingSection, TrainModelSection
 from jaxrl.config.run import DistributedSection, LogSection, PerfSection, TrainSection
 from jaxrl.config.sampling import EvalSection, RolloutSection
 from jaxrl.rl.advantages import check_group_size
+from jaxrl.rl.shaping import check_overlong
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,12 @@ class ExperimentConfig:
         except ValueError as e:
             raise ValueError(f"rollout.num_generations: {e} (algo.advantage="
                              f"{algo.advantage})") from None
-        if algo.overlong_buffer is not None and algo.overlong_buffer > rollout.max_new_tokens:
-            raise ValueError(f"algo.overlong_buffer={algo.overlong_buffer} must be at most "
-                             f"rollout.max_new_tokens={rollout.max_new_tokens} (the soft "
-                             f"zone lies inside the completion budget)")
+        if algo.overlong_buffer is not None:
+            try:  # the soft zone lies inside the completion budget
+                check_overlong(rollout.max_new_tokens, algo.overlong_buffer)
+            except ValueError as e:
+                raise ValueError(f"algo.overlong_buffer={algo.overlong_buffer} with "
+                                 f"rollout.max_new_tokens={rollout.max_new_tokens}: {e}") from None
         if not rollout.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0 to train (the trainer scores "
                              f"each token under the distribution it was sampled from), got "

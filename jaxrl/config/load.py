@@ -56,15 +56,26 @@ def shipped_config(name: str) -> Path:
                       f"{here.parent / 'configs'})")
 
 
+# Keys that earlier versions had (and wrote into a run's config.yaml), and why they are gone.
+# A config or override that sets one is an error saying so; a run's saved config drops it.
+REMOVED_KEYS = {
+    "algo.temperature": "the trainer scores every token at rollout.temperature, the "
+                        "distribution it was sampled from; set that instead",
+}
+
+
 def load_config(schema: type[T], path: str | Path | None = None,
-                overrides: Sequence[str] = ()) -> T:
-    """The `schema` instance from a YAML file and `key.sub=value` overrides (later wins)."""
+                overrides: Sequence[str] = (), *, saved: bool = False) -> T:
+    """The `schema` instance from a YAML file and `key.sub=value` overrides (later wins).
+    `saved`: the file is a run's config.yaml, written maybe by an earlier version: keys of
+    REMOVED_KEYS are dropped from it."""
     merged = OmegaConf.structured(schema)
     sources: list[tuple[str, object]] = []
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        sources.append((str(path), lambda: OmegaConf.load(path)))
+        sources.append((str(path), lambda: drop_removed(OmegaConf.load(path)) if saved
+                        else OmegaConf.load(path)))
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not key:
@@ -83,8 +94,20 @@ def load_config(schema: type[T], path: str | Path | None = None,
         raise ConfigError(str(e)) from None
 
 
+def drop_removed(config: Any) -> Any:
+    """`config` (an OmegaConf tree of a saved config.yaml) without the REMOVED_KEYS."""
+    for key in REMOVED_KEYS:
+        section, _, name = key.rpartition(".")
+        parent = OmegaConf.select(config, section)
+        if parent is not None and name in parent:
+            parent.pop(name)
+    return config
+
+
 def _describe(error: Exception, schema: type, where: str) -> str:
     key = getattr(error, "full_key", None) or where
+    if key in REMOVED_KEYS:
+        return f"config key {key!r} was removed: {REMOVED_KEYS[key]}"
     message = str(error).splitlines()[0]
     hint = ""
     if "Did you mean" not in message and "not in" in message:

@@ -65,7 +65,7 @@ class PerfSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
-    """`distributed`: how this process joins a multi-process run (module docstring)."""
+    """`distributed`: how this process joins a multi-process run (`jaxrl.distributed.setup`)."""
 
     coordinator_address: str | None = None  # host:port of process 0; env JAX_COORDINATOR_ADDRESS
     num_processes: int | None = None  # env JAX_NUM_PROCESSES

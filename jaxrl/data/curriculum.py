@@ -55,13 +55,12 @@ from __future__ import annotations
 import abc
 import typing
 from collections.abc import Mapping
-from typing import Literal
 
 import numpy as np
 
+from jaxrl.config.data import Curriculum
 from jaxrl.data.pass_rate import PassRateConfig, binomial_signal, signal_weight
 
-Curriculum = Literal["none", "pass_rate", "ordered"]
 CURRICULA: tuple[Curriculum, ...] = typing.get_args(Curriculum)
 LAG = 2  # the batch of step n sees the observations of steps 0..n-LAG
 

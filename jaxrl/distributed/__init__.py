@@ -10,7 +10,7 @@ from jaxrl.distributed.host import (
     process_rows,
     sync,
 )
-from jaxrl.distributed.setup import DistributedSection, detect, initialize
+from jaxrl.distributed.setup import detect, initialize
 
-__all__ = ["DistributedSection", "broadcast", "detect", "from_local_rows", "initialize",
+__all__ = ["broadcast", "detect", "from_local_rows", "initialize",
            "is_lost_peer", "is_main", "local_rows", "process_rows", "sync"]

@@ -17,12 +17,17 @@ import jax
 import jax.numpy as jnp
 
 
-def overlong_penalty(lengths_B: jax.Array, max_len: int, cache_len: int) -> jax.Array:
-    """R_length(L) of DAPO (module docstring): 0, then linear down to -1, then -1; float32."""
+def check_overlong(max_len: int, cache_len: int) -> None:
+    """Raises unless the soft zone lies inside the budget: 1 <= cache_len <= max_len."""
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     if not 1 <= cache_len <= max_len:
         raise ValueError(f"cache_len must be in [1, max_len={max_len}], got {cache_len}")
+
+
+def overlong_penalty(lengths_B: jax.Array, max_len: int, cache_len: int) -> jax.Array:
+    """R_length(L) of DAPO (module docstring): 0, then linear down to -1, then -1; float32."""
+    check_overlong(max_len, cache_len)
     length_B = lengths_B.astype(jnp.float32)
     soft_start = max_len - cache_len
     linear_B = (soft_start - length_B) / cache_len

@@ -122,7 +122,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     processes = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
     console.print(f"[bold]policy[/]: {model_config.model_type}, "
                   f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
-                  f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}")
+                  f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}, "
+                  f"layout {layout.name}")
 
     try:
         batches = PromptSource(

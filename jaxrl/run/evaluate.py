@@ -8,7 +8,7 @@
                earn (`RewardSet.solved`; addition: every digit and the EOS right)
     c_p      = solved samples of prompt p, out of n   (arrays: N prompts x S = n samples)
 
-Reported (`evaluate`):
+Reported (each call of an `Evaluator`):
 
     eval/reward_mean   mean of r_pj over all samples
     eval/exact_match   fraction of samples solved

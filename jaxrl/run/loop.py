@@ -31,10 +31,7 @@ Faults: an update whose loss or gradient is not finite is skipped in the program
 Before step 0, `preflight` compiles the step, checks its memory fit and counts its FLOPs;
 each step's record is made by `StepRecorder` (`recorder.py`, which defines its time/* and
 perf/* metrics). Progress lines show means over the steps since the previous line
-(`progress.py`).
-
-With `train.target_reward` set, the summary says when the moving average of reward/mean over
-TARGET_WINDOW steps first reached it.
+(`progress.py`); the end-of-run summary is `summary.py`'s.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ from typing import Any
 import jax
 from flax import nnx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.distributed import is_main
@@ -122,7 +118,7 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     ran to train.max_steps)."""
     run, state, checkpoints = started.run, started.state, started.checkpoints
     max_steps, every = cfg.train.max_steps, cfg.train.checkpoint_every
-    bar = _ProgressBar(console, max_steps, started.start_step, cfg.log.print_every)
+    bar = progress.ProgressBar(console, max_steps, started.start_step, cfg.log.print_every)
     recorder = StepRecorder(run, started.pre, log)
     pending: tuple[int, Any] | None = None
     # Each step's prompt positions (for the curriculum) and data metrics, taken at its draw.
@@ -176,44 +172,3 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
             if pending is not None and not (log.records and log.records[-1]["step"] == pending[0]):
                 record(*pending)
     return state, time.perf_counter() - recorder.start, stopped
-
-
-class _ProgressBar:
-    """A live bar on a terminal, else a line every `print_every` steps; both show the means
-    over the steps since the previous line (`progress.py`)."""
-
-    def __init__(self, console: Console, max_steps: int, start_step: int, print_every: int):
-        self.console, self.max_steps, self.print_every = console, max_steps, print_every
-        self.since: list[dict[str, float]] = []
-        self.lines = 0
-        self.progress = Progress(
-            TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-            console=console, disable=not console.is_terminal)
-        self.task = self.progress.add_task("train", total=max_steps, completed=start_step,
-                                           status="compiling...")
-        self.start = time.perf_counter()
-
-    def __enter__(self) -> _ProgressBar:
-        self.progress.__enter__()
-        if not self.console.is_terminal:
-            self.console.print(f"{progress.HEADER} (every {self.print_every} steps)")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
-
-    def add(self, record: dict[str, float]) -> None:
-        """Counts one recorded step; shows the means when a line is due."""
-        step = int(record["step"])
-        self.since.append(record)
-        due = (step + 1) % self.print_every == 0 or step == self.max_steps - 1
-        if not (due or self.lines == 0):  # the first line comes after the first step
-            self.progress.update(self.task, completed=step + 1)
-            return
-        status = progress.status(self.since)
-        self.since, self.lines = [], self.lines + 1
-        self.progress.update(self.task, completed=step + 1, status=status)
-        if not self.console.is_terminal:
-            elapsed = time.perf_counter() - self.start
-            self.console.print(f"step {step + 1}/{self.max_steps}  {status}  ({elapsed:.0f}s)")

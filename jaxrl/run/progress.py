@@ -18,9 +18,12 @@ machine was busy): it is shown as "?", never as a number.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 HEADER = "progress: means over the steps since the previous line"
 
@@ -47,3 +50,44 @@ def status(records: Sequence[Mapping[str, float]]) -> str:
         mfu = mean["perf/mfu"]
         text += f"  MFU {mfu:.1%}" if mfu <= 1 else "  MFU ? (peak too low)"
     return text
+
+
+class ProgressBar:
+    """A live bar on a terminal, else a line every `print_every` steps; both show the means
+    over the steps since the previous line (`status`)."""
+
+    def __init__(self, console: Console, max_steps: int, start_step: int, print_every: int):
+        self.console, self.max_steps, self.print_every = console, max_steps, print_every
+        self.since: list[dict[str, float]] = []
+        self.lines = 0
+        self.progress = Progress(
+            TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+            console=console, disable=not console.is_terminal)
+        self.task = self.progress.add_task("train", total=max_steps, completed=start_step,
+                                           status="compiling...")
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> ProgressBar:
+        self.progress.__enter__()
+        if not self.console.is_terminal:
+            self.console.print(f"{HEADER} (every {self.print_every} steps)")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def add(self, record: dict[str, float]) -> None:
+        """Counts one recorded step; shows the means when a line is due."""
+        step = int(record["step"])
+        self.since.append(record)
+        due = (step + 1) % self.print_every == 0 or step == self.max_steps - 1
+        if not (due or self.lines == 0):  # the first line comes after the first step
+            self.progress.update(self.task, completed=step + 1)
+            return
+        text = status(self.since)
+        self.since, self.lines = [], self.lines + 1
+        self.progress.update(self.task, completed=step + 1, status=text)
+        if not self.console.is_terminal:
+            elapsed = time.perf_counter() - self.start
+            self.console.print(f"step {step + 1}/{self.max_steps}  {text}  ({elapsed:.0f}s)")

@@ -38,6 +38,7 @@ from jax.experimental import multihost_utils
 from omegaconf import OmegaConf
 
 from jaxrl.config import ExperimentConfig, RunDirError, to_yaml
+from jaxrl.config.load import drop_removed
 from jaxrl.distributed import broadcast, is_main, sync
 
 CONFIG_FILE = "config.yaml"
@@ -132,7 +133,7 @@ def _check_same_experiment(cfg: ExperimentConfig, run_dir: Path) -> None:
     if not path.is_file():
         raise RunDirError(f"train.run_dir {str(run_dir)!r} has checkpoints but no {CONFIG_FILE}: "
                           f"it was not written by jaxrl train")
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(path)))
+    saved = _flatten(OmegaConf.to_container(drop_removed(OmegaConf.load(path))))
     new = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
     changed = [k for k in sorted(set(saved) | set(new))
                if saved.get(k) != new.get(k) and not any(

@@ -1,7 +1,7 @@
 """Starting a run, shared by `jaxrl train` and `jaxrl bench`: the run directory, the built run,
 its state (restored when resuming), the first batch and the preflight.
 
-    started = start_run(cfg, name, console, checkpoints=...)
+    started = start_run(cfg, name, console, resumable=True)
         prepare_run_dir      a new run directory, or the same one to resume (run_dir.py)
         build_run            mesh, tokenizer, policy, task, prompts, step (build.py)
         restore              the newest readable checkpoint, when resuming (checkpoint.py)
@@ -31,9 +31,10 @@ from jaxrl.run.preflight import Preflight, preflight
 from jaxrl.run.run_dir import prepare_run_dir
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Started:
-    """A run ready for its first step (`start_step`: 0, or the checkpoint's step)."""
+    """A run ready for its first step (`start_step`: 0, or the checkpoint's step). `state` is
+    the state to start from: the first step donates it, and the loop carries the new one."""
 
     run: Run
     state: nnx.State

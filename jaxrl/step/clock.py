@@ -5,8 +5,8 @@
 `stamp` records `time.perf_counter()` on the host (an `io_callback`) once `after` is
 computed and returns `before` plus the callback's zero result: `after` makes the stamp wait
 for the phase before it, and the phase after it, which reads the returned `before`, waits
-for the stamp, so the compiler can neither hoist nor sink it. Each mark costs one device-to-host round trip
-(microseconds on CPU, about that of a small transfer on GPU/TPU).
+for the stamp, so the compiler can neither hoist nor sink it. Each stamp costs one
+device-to-host round trip (microseconds on CPU, about that of a small transfer on GPU/TPU).
 
 The step appends one stamp per name per call; `pop()` takes the oldest stamp of each name,
 so the loop, which fetches step N-1's metrics after dispatching step N, reads step N-1's.

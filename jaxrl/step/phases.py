@@ -4,7 +4,7 @@
     r_B, metrics     = score(rewards, reward_inputs(rollout, fields_P, rows_P))
     r_B              = shape_rewards(cfg, r_B, completion mask)     DAPO overlong penalty, if on
     adv_B, mask_BxC  = advantages(cfg, r_B, completion mask)        zero-std groups masked out
-    train_on(cfg, train_state, batch):
+    train_on(cfg, train_state, batch, temperature):
         old_logp = stop_gradient(logp of the policy before any update)    one forward per step,
                    skipped when the step makes a single update (see below)
         for each iteration, for each minibatch:
@@ -213,7 +213,7 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     if cfg.loss.beta > 0:
         if ref_params is None:
             raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
-                             f"reference params (train.reference_params)")
+                             f"reference params (jaxrl.step.reference_params)")
         batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
                                               total_micro, temperature,
                                               cfg.logprob_chunk_size)

@@ -21,8 +21,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.config import OptimSection
 from jaxrl.sharding import AxisRules, create_sharded, state_shardings
-from jaxrl.step.optimizer import OptimSection, make_optimizer, weight_decay_mask
+from jaxrl.step.optimizer import make_optimizer, weight_decay_mask
 
 
 class SkipCount(nnx.Variable):

@@ -1,6 +1,7 @@
 """Typed configs: YAML + dotted overrides onto frozen dataclasses, errors that name the key."""
 
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -80,3 +81,20 @@ def test_ignore_eos_takes_no_stop_token_ids():
     with pytest.raises(ConfigError, match=r"rollout.ignore_eos=true .* "
                                           r"rollout.stop_token_ids=\[7\]; expected \[\]"):
         load_config(Schema, None, ["rollout.ignore_eos=true", "rollout.stop_token_ids=[7]"])
+
+
+def test_a_removed_key_says_why_and_a_saved_config_drops_it(tmp_path):
+    from jaxrl.config import ExperimentConfig
+    from jaxrl.config.load import REMOVED_KEYS
+
+    quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match="'algo.temperature' was removed: .*rollout.temperature"):
+        load_config(ExperimentConfig, quickstart, ["algo.temperature=1.0"])
+    # A run directory of an earlier version saved algo.temperature (always = the rollout's).
+    cfg = load_config(ExperimentConfig, quickstart)
+    old = tmp_path / "config.yaml"
+    old.write_text(to_yaml(cfg).replace("algo:\n", "algo:\n  temperature: 1.0\n"))
+    assert "algo.temperature" in REMOVED_KEYS
+    with pytest.raises(ConfigError, match="was removed"):
+        load_config(ExperimentConfig, old)
+    assert load_config(ExperimentConfig, old, saved=True) == cfg

@@ -3,9 +3,9 @@ and bad settings named before anything starts."""
 
 import pytest
 
-from jaxrl.config import ConfigError, ExperimentConfig, load_config
+from jaxrl.config import ConfigError, DistributedSection, ExperimentConfig, load_config
 from jaxrl.distributed import setup
-from jaxrl.distributed.setup import DistributedSection, detect, explicit_settings
+from jaxrl.distributed.setup import detect, explicit_settings
 
 REAL_TPU_PROCESSES = setup._tpu_processes
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",

@@ -241,3 +241,13 @@ def test_jax_reward_of_the_wrong_shape_names_the_reward():
 def test_validation_errors_name_the_bad_value(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_solved_is_the_highest_total_a_sample_can_earn():
+    # max_total = sum of the positive weights: a penalty (negative weight) is best at 0.
+    rewards = RewardSet([JaxReward("right", lambda inputs: None, weight=1.0),
+                         JaxReward("bonus", lambda inputs: None, weight=0.5),
+                         JaxReward("penalty", lambda inputs: None, weight=-0.5)])
+    assert rewards.max_total == 1.5
+    np.testing.assert_array_equal(rewards.solved(np.array([1.5, 1.0, 0.5, 1.4999999])),
+                                  [True, False, False, True])

@@ -11,7 +11,6 @@ import pytest
 from rich.console import Console
 
 from jaxrl.run import progress
-from jaxrl.run.loop import _ProgressBar
 
 RECORDED = Path(__file__).parent / "data" / "quickstart_steps.jsonl"
 KEYS = ("step", "time/step_s", "perf/tokens_per_s", "perf/mfu", "reward/mean")
@@ -49,7 +48,7 @@ def test_an_mfu_above_one_is_not_shown_as_a_number():
 def _lines(records, print_every):
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=200)
-    with _ProgressBar(console, len(records), 0, print_every) as bar:
+    with progress.ProgressBar(console, len(records), 0, print_every) as bar:
         for record in records:
             bar.add(record)
     return out.getvalue().splitlines()

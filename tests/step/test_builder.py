@@ -106,23 +106,6 @@ def _assert_close(a, b, tol=2e-5):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=tol, atol=tol), a, b)
 
 
-def test_config_is_validated_with_field_and_value():
-    for kwargs, match in ((dict(advantage="ppo"), "algo.advantage.*'ppo'"),
-                          (dict(num_iterations=0), "algo.num_iterations.*0"),
-                          (dict(num_minibatches=True), "algo.num_minibatches.*True"),
-                          (dict(microbatch_size=0), "algo.microbatch_size.*0"),
-                          (dict(mode="async"), "algo.mode.*'async'"),
-                          (dict(scale_rewards="rows"), "algo.scale_rewards.*'rows'"),
-                          (dict(logprob_chunk_size=0), "algo.logprob_chunk_size.*0"),
-                          (dict(overlong_buffer=-1), "algo.overlong_buffer.*-1")):
-        with pytest.raises(ValueError, match=match):
-            AlgoSection(**kwargs)
-    with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):
-        AlgoSection(num_minibatches=3).batch_split(16)
-    with pytest.raises(ValueError, match="microbatch_size=3 must divide the 8 rows"):
-        AlgoSection(num_minibatches=2, microbatch_size=3).batch_split(16)
-
-
 def test_fused_step_updates_params_once_per_step_without_recompiling():
     params, count, history, step, _ = _fused()
     assert count == 2  # one update per step (1 iteration x 1 minibatch)

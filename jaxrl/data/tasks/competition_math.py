@@ -16,8 +16,8 @@ answer format's (formats.format_reward).
 
 from __future__ import annotations
 
+from jaxrl.config.data import AnswerFormat
 from jaxrl.data.tasks import answers, formats
-from jaxrl.data.tasks.formats import AnswerFormat
 
 
 def render_problem(problem: str, answer_format: AnswerFormat = "boxed") -> str:

@@ -30,15 +30,14 @@ from typing import Any
 
 import datasets
 
-from jaxrl.config.data import SYNTHETIC_TASKS, DataSection, TaskName
+from jaxrl.config.data import AnswerFormat, DataSection
 from jaxrl.data.tasks import competition_math, custom, formats, gsm8k
 from jaxrl.data.tasks.addition import AdditionTask, addition_reward, make_addition_tokenizer
 from jaxrl.data.tasks.dataset import dataset_task
-from jaxrl.data.tasks.formats import AnswerFormat
 from jaxrl.data.tasks.task import Task
 from jaxrl.rl.rewards import JaxReward, PythonReward
 
-__all__ = ["SYNTHETIC_TASKS", "Task", "DataSection", "TaskName", "addition_task", "make_task"]
+__all__ = ["Task", "addition_task", "make_task"]
 
 # The math tasks: the module with gold_answer and math_reward, and the prompt renderer.
 _MATH_TASKS: dict[str, tuple[ModuleType, Callable[..., str]]] = {

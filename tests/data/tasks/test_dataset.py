@@ -8,9 +8,10 @@ import string
 import datasets
 import pytest
 
+from jaxrl.config import DataSection
 from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tasks import gsm8k
-from jaxrl.data.tasks.registry import DataSection, make_task
+from jaxrl.data.tasks.registry import make_task
 from jaxrl.data.tokenizer import make_char_tokenizer
 
 TRAIN = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}", "level": i % 3,

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.config import DataSection
 from jaxrl.data.tasks import competition_math, formats, gsm8k
 from jaxrl.data.tasks.addition import ALPHABET
-from jaxrl.data.tasks.registry import DataSection, make_task
+from jaxrl.data.tasks.registry import make_task
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.rl.rewards import JaxReward, PythonReward, RewardInputs
 

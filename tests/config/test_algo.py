@@ -1,0 +1,50 @@
+"""The `algo` and `optim` sections: every bad value names its key and the value."""
+
+import pytest
+
+from jaxrl.config import AlgoSection, ConfigError, OptimSection, load_config
+
+
+def test_config_is_validated_with_field_and_value():
+    for kwargs, match in ((dict(advantage="ppo"), "algo.advantage.*'ppo'"),
+                          (dict(num_iterations=0), "algo.num_iterations.*0"),
+                          (dict(num_minibatches=True), "algo.num_minibatches.*True"),
+                          (dict(microbatch_size=0), "algo.microbatch_size.*0"),
+                          (dict(mode="async"), "algo.mode.*'async'"),
+                          (dict(scale_rewards="rows"), "algo.scale_rewards.*'rows'"),
+                          (dict(logprob_chunk_size=0), "algo.logprob_chunk_size.*0"),
+                          (dict(overlong_buffer=-1), "algo.overlong_buffer.*-1")):
+        with pytest.raises(ValueError, match=match):
+            AlgoSection(**kwargs)
+    with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):
+        AlgoSection(num_minibatches=3).batch_split(16)
+    with pytest.raises(ValueError, match="microbatch_size=3 must divide the 8 rows"):
+        AlgoSection(num_minibatches=2, microbatch_size=3).batch_split(16)
+
+
+@pytest.mark.parametrize("field, value, extra", [
+    ("lr", 0.0, {}),
+    ("lr", -1e-3, {}),
+    ("lr", float("nan"), {}),
+    ("warmup_steps", -1, {}),
+    ("warmup_steps", 2.5, {}),
+    ("total_steps", 10, {"warmup_steps": 10}),
+    ("total_steps", 0, {}),
+    ("min_lr_ratio", 1.5, {}),
+    ("min_lr_ratio", -0.1, {}),
+    ("b1", 1.0, {}),
+    ("b2", -0.5, {}),
+    ("eps", 0.0, {}),
+    ("weight_decay", -0.01, {}),
+    ("max_grad_norm", 0.0, {}),
+])
+def test_bad_values_raise_naming_the_field(field, value, extra):
+    with pytest.raises(ValueError, match=rf"optim\.{field} must be .*got {value!r}"):
+        OptimSection(**{field: value, **extra})
+
+
+def test_loads_as_a_config_section():
+    cfg = load_config(OptimSection, None, ["lr=3e-4", "total_steps=100", "max_grad_norm=null"])
+    assert cfg == OptimSection(lr=3e-4, total_steps=100, max_grad_norm=None)
+    with pytest.raises(ConfigError, match=r"optim\.b2 must be in \[0, 1\), got 1\.5"):
+        load_config(OptimSection, None, ["b2=1.5"])
