@@ -82,10 +82,16 @@ def policy(step: Step, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
 def save_policy(run: Run, state: nnx.State, path: Path) -> Path:
     """The policy in `state` and the run's tokenizer as an HF model directory at `path`
     (written by process 0; every process takes part in gathering the weights)."""
-    save_pretrained(nnx.merge(run.step.graphdef, state).model, path)
+    return _save_hf(nnx.merge(run.step.graphdef, state).model, run.tokenizer, path)
+
+
+def _save_hf(model: nnx.Module, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
+    """`model` and `tokenizer` as an HF directory at `path`: every process gathers the
+    weights, process 0 writes, all wait until it has."""
+    save_pretrained(model, path)
     if is_main():
-        run.tokenizer.save_pretrained(str(path))
-    sync("jaxrl: policy saved")
+        tokenizer.save_pretrained(str(path))
+    sync(f"jaxrl: saved {path}")
     return path
 
 
@@ -198,11 +204,7 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
         compute_dtype=cfg.model.compute_dtype or dtype)
     model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
                            layout.train_rules)
-    save_pretrained(model, path)
-    if is_main():
-        tokenizer.save_pretrained(str(path))
-    sync("jaxrl: random policy saved")
-    return path
+    return _save_hf(model, tokenizer, path)
 
 
 def _phase_times(cfg: ExperimentConfig, mesh: Mesh) -> bool:
