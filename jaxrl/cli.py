@@ -221,12 +221,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     except RuntimeError as e:
         # Imported here: the training loop and orbax are heavy, and most commands need neither.
         from jaxrl.run.checkpoint import RestoreError
-        from jaxrl.run.loop import NonFiniteError
+        from jaxrl.run.loop import TrainingStopped
 
         if isinstance(e, RestoreError):
             errors.print(f"[bold red]error[/]: {e}")
             return EXIT_CONFIG_ERROR
-        if isinstance(e, NonFiniteError):
+        if isinstance(e, TrainingStopped):
             errors.print(f"[bold red]training stopped[/]: {e}")
             return EXIT_TRAINING_FAILED
         raise

@@ -55,10 +55,15 @@ from jaxrl.run.run_dir import FINAL_MODEL_DIR, PLOT_FILE
 from jaxrl.run.start import Started, start_run
 from jaxrl.run.summary import run_summary
 
-__all__ = ["NonFiniteError", "train"]
+__all__ = ["NonFiniteError", "TrainingStopped", "train"]
 
 
-class NonFiniteError(RuntimeError):
+class TrainingStopped(RuntimeError):
+    """The run stopped on a fault of the training itself (its metrics are written); the
+    command exits with status 1 and this message."""
+
+
+class NonFiniteError(TrainingStopped):
     """Too many steps in a row had a non-finite loss or gradient: the run stopped."""
 
 
