@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
@@ -72,10 +72,8 @@ def load_config(schema: type[T], path: str | Path | None = None,
     merged = OmegaConf.structured(schema)
     sources: list[tuple[str, object]] = []
     if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        sources.append((str(path), lambda: drop_removed(OmegaConf.load(path)) if saved
-                        else OmegaConf.load(path)))
+        tree = read_yaml(path, what="config file")
+        sources.append((str(path), lambda: drop_removed(tree) if saved else tree))
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not key:
@@ -92,6 +90,34 @@ def load_config(schema: type[T], path: str | Path | None = None,
         raise ConfigError(_describe(e, schema, "?")) from None
     except (TypeError, ValueError) as e:  # from a section's __post_init__
         raise ConfigError(str(e)) from None
+
+
+def read_yaml(path: str | Path, *, what: str) -> Any:
+    """The OmegaConf mapping of the YAML file `path`; a ConfigError naming the file (and YAML's
+    line and column) when it is missing, unreadable, not YAML or not a mapping of keys."""
+    path = Path(path)
+    if not path.is_file():
+        where = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{what} {str(path)!r} {where}; expected a YAML file")
+    try:
+        tree = OmegaConf.load(path)
+    except UnicodeDecodeError as e:
+        line = bytes(e.object[:e.start]).count(b"\n") + 1
+        raise ConfigError(f"{what} {str(path)!r} is not UTF-8 text (line {line}, byte "
+                          f"{e.start + 1}: {e.reason}); expected a YAML file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML{at}: {problem}") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{what} {str(path)!r}: {str(e).splitlines()[0]}") from None
+    if not isinstance(tree, DictConfig):
+        raise ConfigError(f"{what} {str(path)!r} must hold a mapping of keys "
+                          f"(key: value lines), got a YAML list")
+    return tree
 
 
 def drop_removed(config: Any) -> Any:

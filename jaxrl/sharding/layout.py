@@ -144,9 +144,12 @@ def load_layout(name_or_path: str | os.PathLike) -> Layout:
             )
     if not path.is_file():
         raise FileNotFoundError(f"sharding layout file {str(path)!r} does not exist")
+    from jaxrl.config.load import read_yaml  # (the config package imports the rollout's)
+
     try:
         spec = OmegaConf.to_object(
-            OmegaConf.merge(OmegaConf.structured(LayoutSpec), OmegaConf.load(path)))
+            OmegaConf.merge(OmegaConf.structured(LayoutSpec),
+                            read_yaml(path, what="sharding layout file")))
     except OmegaConfBaseException as e:
         raise LayoutError(f"invalid sharding layout {str(path)!r}: {e}") from None
     rule_sets = {}

@@ -75,6 +75,28 @@ def test_bad_files(tmp_path):
         load_config(Schema, unknown)
 
 
+@pytest.mark.parametrize("content, words", [
+    (b"- model\n- data\n", ["must hold a mapping of keys", "got a YAML list"]),
+    (b"model:\n  path: [\n", ["is not valid YAML at line 3, column 1"]),
+    (b"model:\n\tpath: x\n", ["is not valid YAML at line 2, column 1"]),
+    (b"model:\n  path: \"caf\xe9\"\n", ["is not UTF-8 text (line 2, byte 20"]),
+])
+def test_a_config_file_that_is_not_a_yaml_mapping_is_named(tmp_path, content, words):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(Schema, path)
+    message = str(info.value)
+    assert f"config file {str(path)!r}" in message
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_a_directory_as_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory; expected a YAML file"):
+        load_config(Schema, tmp_path)
+
+
 def test_ignore_eos_takes_no_stop_token_ids():
     cfg = load_config(Schema, None, ["rollout.ignore_eos=true"])
     assert cfg.rollout.ignore_eos and cfg.rollout.stop_token_ids == []
