@@ -2,7 +2,9 @@
 
     run     = build_run(cfg, train.run_dir)   the run `jaxrl train` builds; train.run_dir is
                                               required and may hold a training run, which is
-                                              read, never refused or replaced
+                                              read, never refused or replaced; a new or empty
+                                              folder is claimed as for training, any other
+                                              folder refused
     policy  = the run directory's latest checkpoint (--step N: that one) when it has
               checkpoints; else its final_model/; else model.path; else its init_model/;
               else a random `model.init` policy (saved to init_model/, as training does)
@@ -28,7 +30,7 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.run.build import build_run, policy
 from jaxrl.run.checkpoint import RestoreError, restore_policy
 from jaxrl.run.evaluate import Evaluator, append_eval
-from jaxrl.run.run_dir import FINAL_MODEL_DIR, INIT_MODEL_DIR
+from jaxrl.run.run_dir import FINAL_MODEL_DIR, INIT_MODEL_DIR, claim_to_add
 
 
 def run_eval(cfg: ExperimentConfig, console: Console, *,
@@ -41,6 +43,7 @@ def run_eval(cfg: ExperimentConfig, console: Console, *,
         raise ConfigError(f"eval.num_prompts must be >= 1 for jaxrl eval, got "
                           f"{cfg.eval.num_prompts}")
     run_dir = Path(cfg.train.run_dir)
+    claim_to_add(run_dir)
     cfg, source = _model_source(cfg, run_dir)
     console.print(f"[bold]run dir[/]: {run_dir}")
     run, state = build_run(cfg, run_dir, console)

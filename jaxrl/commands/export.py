@@ -23,15 +23,16 @@ from jaxrl.config import ConfigError, ExperimentConfig, load_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import from_pretrained, save_pretrained
 from jaxrl.run.checkpoint import Checkpoints, RestoreError
-from jaxrl.run.run_dir import CONFIG_FILE, INIT_MODEL_DIR
+from jaxrl.run.run_dir import CONFIG_FILE, INIT_MODEL_DIR, MARKER_FILE, is_run_dir
 
 
 def run_export(run_dir: str | Path, out: str | Path, console: Console, *,
                step: int | None = None) -> dict[str, Any]:
     """Writes checkpoint `step` (default: the newest) of `run_dir` to `out`; returns a summary."""
     run_dir, out = Path(run_dir), Path(out)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise ConfigError(f"{str(run_dir)!r} is not a jaxrl run directory (no {CONFIG_FILE})")
+    if not (is_run_dir(run_dir) and (run_dir / CONFIG_FILE).is_file()):
+        raise ConfigError(f"{str(run_dir)!r} is not a jaxrl run directory (no {MARKER_FILE} "
+                          f"and {CONFIG_FILE}); give the train.run_dir of a training run")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; "
                           f"choose a new one")

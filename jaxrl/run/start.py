@@ -8,14 +8,14 @@ its state (restored when resuming), the first batch and the preflight.
         first batch          drawn and placed on the mesh
         preflight            compile, memory fit, FLOP count (preflight.py)
 
-A failure before the first step (bad data, a model that does not fit) removes the run
-directory again if this call created it.
+A failure before the first step (bad data, a model that does not fit, Ctrl-C) undoes the
+claim of a new run directory: the folder this call made goes, an empty one it claimed is
+emptied again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import time
 
 import jax
@@ -60,11 +60,14 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
     checkpoints and resumes from them (train); otherwise a run directory holding
     checkpoints is refused (`jaxrl bench` measures new runs only)."""
     start = time.perf_counter()
-    run_dir, created, resume = prepare_run_dir(cfg, name)
+    claim = prepare_run_dir(cfg, name)
+    run_dir, resume = claim.run_dir, claim.resume
     if resume and not resumable:
         raise RunDirError(f"train.run_dir {str(run_dir)!r} holds a run with checkpoints; "
                           f"choose a new train.run_dir")
     console.print(f"[bold]run dir[/]: {run_dir}")
+    if claim.note:
+        console.print(f"[yellow]run dir[/]: {claim.note}")
     checkpoints = Checkpoints(run_dir, keep=cfg.train.keep_checkpoints) if resumable else None
     try:
         run, state = build_run(cfg, run_dir, console, reuse_init=resume)
@@ -78,8 +81,7 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
     except BaseException:
         if checkpoints is not None:
             checkpoints.close()
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        claim.release()
         raise
     return Started(run, state, key, start_step, resume, first, pre,
                    time.perf_counter() - start, checkpoints)

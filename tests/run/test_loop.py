@@ -17,6 +17,7 @@ from jaxrl.models import from_pretrained
 from jaxrl.run import loop, start, summary
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import moving_average, read_metrics
+from jaxrl.run.run_dir import MARKER_FILE
 from jaxrl.step import StepOutput
 from tests.test_shipped_configs import ROOT
 
@@ -231,8 +232,10 @@ def test_an_existing_run_is_not_overwritten(fused_run, tmp_path):
     # Its final checkpoint is at train.max_steps: there is nothing left to resume.
     with pytest.raises(RunDirError, match="is finished: its checkpoint is at step 3"):
         loop.train(cfg, _console())
-    # Metrics without a checkpoint: nothing to resume from, and never overwritten.
+    # A run directory with metrics but no checkpoint: nothing to resume from, and never
+    # overwritten.
     (tmp_path / "run").mkdir()
+    (tmp_path / "run" / MARKER_FILE).write_text("{}")
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(RunDirError, match="already holds a run .* no checkpoint"):
         loop.train(_config(tmp_path), _console())
