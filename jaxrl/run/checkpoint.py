@@ -14,15 +14,30 @@ no checkpoint that looks whole. The last `keep` checkpoints are kept.
 
 `restore` takes a *target*, the state of a freshly built run: every array comes back with the
 target's sharding, so a run saved on one mesh layout resumes on another (the step programs
-are compiled for exactly those shardings). When the newest checkpoint cannot be read
-(truncated or missing files), it warns and falls back to the one before.
+are compiled for exactly those shardings). `restore` (train's resume) and `restore_model`
+(eval, export) read through one fallback:
+
+    newest first      a checkpoint that fails to read (truncated, garbled or missing files) is
+                      passed over for the one before it
+    one is read       the newer ones that failed are moved aside, whole, to
+                      <run_dir>/checkpoints_damaged/<step> (<step>-1, -2, ... when taken),
+                      with a warning naming the step, its error and where it went: the step
+                      can be saved again, and the next start does not trip over it
+    none is read      RestoreError listing every step's error; nothing is moved (all of them
+                      failing may as well mean a target that fits none, e.g. another model)
+    explicit step     (eval/export --step N) never replaced by another: when it cannot be read,
+                      a RestoreError names it and its error, and it stays where it is (one
+                      checkpoint alone cannot tell damage from a target that does not fit)
+
+A checkpoint is moved, never deleted, and only once an older one has been read into the same
+target: that shows the target fits, so the failure is the newer checkpoint's own.
 
 Several processes: every process writes and reads its own shards, and a restore ends in
 orbax's barrier, so no process goes on before all have read their parts. A process that cannot
 read its part cannot take the others back to an older checkpoint with it (they wait in that
 barrier, and one process on another step than the others would mix two states): the run
 stops with a RestoreError naming the checkpoint to remove, and the others exit when they lose
-contact with it.
+contact with it. So only a run of one process falls back and moves checkpoints.
 """
 
 from __future__ import annotations
@@ -30,8 +45,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -40,9 +56,10 @@ from flax import nnx
 
 from jaxrl import __version__
 from jaxrl.distributed import is_lost_peer
-from jaxrl.run.run_dir import CHECKPOINT_DIR
+from jaxrl.run.run_dir import CHECKPOINT_DIR, DAMAGED_CHECKPOINT_DIR
 
 logger = logging.getLogger("jaxrl.checkpoint")
+T = TypeVar("T")
 
 class RestoreError(RuntimeError):
     """No checkpoint of a run could be restored."""
@@ -101,49 +118,94 @@ class Checkpoints:
         self._manager.close()
 
     def restore(self, target: nnx.State, step: int | None = None) -> Restored | None:
-        """The checkpoint `step` (default: the newest readable one) into the layout of
-        `target`; None when there is none. A checkpoint that fails to read is skipped with a
-        warning when no step was asked for (one process: see the module docstring); a
-        RestoreError when none can be read."""
+        """The checkpoint `step` (default: the newest readable one, module docstring) into
+        the layout of `target`; None when there is none."""
+        return self._read(functools.partial(self._restore, target=target), step)
+
+    def restore_model(self, target: nnx.State, step: int | None = None) -> tuple[int, nnx.State]:
+        """(step, the policy's parameters) of checkpoint `step` (default: the newest readable
+        one) into the layout of `target` (a model's nnx.State): export and evaluation need no
+        more."""
+        args = ocp.args.Composite(
+            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target))))
+
+        def read(at: int) -> tuple[int, nnx.State]:
+            state = jax.tree.map(lambda x: x, target)
+            nnx.replace_by_pure_dict(state, self._manager.restore(at, args=args).model)
+            return at, state
+
+        found = self._read(read, step)
+        if found is None:
+            raise RestoreError(f"no checkpoints in {self.directory}")
+        return found
+
+    def _read(self, read: Callable[[int], T], step: int | None) -> T | None:
+        """`read(step)`, or `read` of the newest checkpoint it succeeds on, moving the newer
+        ones aside (module docstring); None when there are no checkpoints."""
         steps = self.steps()
         if step is not None:
-            return self._only(step, self._restore, self._existing(step, steps), target)
-        errors = []
+            if step not in steps:
+                raise RestoreError(f"no checkpoint at step {step} in {self.directory}; it has "
+                                   f"{steps or 'none'}")
+            try:
+                return self._only(step, read)
+            except Exception as e:
+                if isinstance(e, RestoreError) or is_lost_peer(e):
+                    raise
+                raise RestoreError(
+                    f"checkpoint {step} in {self.directory} cannot be read ({_why(e)}); it was "
+                    f"left in place (a step asked for is never replaced by another: ask for none "
+                    f"to use the newest readable checkpoint)") from e
+        failed: list[tuple[int, Exception]] = []
         for candidate in reversed(steps):
             try:
-                return self._only(candidate, self._restore, candidate, target)
-            except RestoreError:
-                raise
+                found = self._only(candidate, read)
             except Exception as e:  # orbax/tensorstore raise many kinds on damaged files
-                if is_lost_peer(e):
-                    raise  # not this checkpoint's fault: another process is gone
-                errors.append(f"step {candidate}: {type(e).__name__}: {str(e)[:300]}")
-                logger.warning("checkpoint %d in %s cannot be read (%s: %s); falling back to "
-                               "the previous one", candidate, self.directory,
-                               type(e).__name__, str(e)[:300])
-        if errors:
-            raise RestoreError(f"no checkpoint in {self.directory} could be read:\n  "
-                                  + "\n  ".join(errors))
+                if isinstance(e, RestoreError) or is_lost_peer(e):
+                    raise  # (lost peer: not this checkpoint's fault, another process is gone)
+                failed.append((candidate, e))
+                continue
+            for bad, error in failed:
+                self._move_aside(bad, error, candidate)
+            return found
+        if failed:
+            raise RestoreError(
+                f"no checkpoint in {self.directory} could be read (none was moved: when every "
+                f"one fails, the cause may be the model read into, e.g. another config):\n  "
+                + "\n  ".join(f"step {bad}: {_why(error)}" for bad, error in failed))
         return None
 
-    def _only(self, step: int, read: Any, *args: Any) -> Any:
-        """`read(*args)`; with several processes a failure is a RestoreError (no fallback)."""
+    def _only(self, step: int, read: Callable[[int], T]) -> T:
+        """`read(step)`; with several processes a failure is a RestoreError (no fallback)."""
         try:
-            return read(*args)
+            return read(step)
         except Exception as e:
             if jax.process_count() == 1 or is_lost_peer(e):
                 raise  # (another process failed; this one only lost contact with it)
             raise RestoreError(
                 f"process {jax.process_index()} cannot read its part of checkpoint {step} in "
-                f"{self.directory} ({type(e).__name__}: {str(e)[:300]}); the processes of a run "
-                f"cannot fall back together: remove {self.directory / str(step)} to resume from "
-                f"the checkpoint before it") from e
+                f"{self.directory} ({_why(e)}); the processes of a run cannot fall back "
+                f"together: remove {self.directory / str(step)} to resume from the checkpoint "
+                f"before it") from e
 
-    def _existing(self, step: int, steps: list[int]) -> int:
-        if step not in steps:
-            raise RestoreError(f"no checkpoint at step {step} in {self.directory}; it has "
-                               f"{steps or 'none'}")
-        return step
+    def _move_aside(self, step: int, error: Exception, used: int) -> None:
+        """Moves unreadable checkpoint `step` to the damaged folder, with a warning."""
+        damaged = self.directory.parent / DAMAGED_CHECKPOINT_DIR
+        destination = damaged / str(step)
+        for i in range(1, 1000):
+            if not destination.exists():
+                break
+            destination = damaged / f"{step}-{i}"
+        try:
+            damaged.mkdir(exist_ok=True)
+            (self.directory / str(step)).rename(destination)
+            moved = f"moved it to {destination}"
+        except OSError as e:
+            moved = (f"it could not be moved to {destination} ({_why(e)}): remove it before "
+                     f"step {step} is saved again")
+        self._manager.reload()
+        logger.warning("checkpoint %d in %s cannot be read: %s; fell back to checkpoint %d (%s)",
+                       step, self.directory, moved, used, _why(error))
 
     def _restore(self, step: int, target: nnx.State) -> Restored:
         model, optimizer = target["model"], target["optimizer"]
@@ -158,19 +220,10 @@ class Checkpoints:
         data = {k: np.asarray(v) for k, v in out.data.items()}
         return Restored(step, state, data, dict(out.meta))
 
-    def restore_model(self, target: nnx.State, step: int | None = None) -> tuple[int, nnx.State]:
-        """(step, the policy's parameters) of checkpoint `step` (default: the newest) into
-        the layout of `target` (a model's nnx.State): export and evaluation need no more."""
-        steps = self.steps()
-        if not steps:
-            raise RestoreError(f"no checkpoints in {self.directory}")
-        step = self._existing(steps[-1] if step is None else step, steps)
-        args = ocp.args.Composite(
-            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target))))
-        out = self._only(step, functools.partial(self._manager.restore, args=args), step)
-        state = jax.tree.map(lambda x: x, target)
-        nnx.replace_by_pure_dict(state, out.model)
-        return step, state
+
+def _why(e: BaseException) -> str:
+    """`e` in one line of at most ~300 characters, for a warning or an error message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def restore_key(meta: dict[str, Any]) -> jax.Array:
@@ -180,8 +233,8 @@ def restore_key(meta: dict[str, Any]) -> jax.Array:
 
 def restore_policy(run_dir: str | Path, state: nnx.State, step: int | None = None
                    ) -> tuple[int | None, nnx.State]:
-    """(its step, `state` with the policy of checkpoint `step` (default: the newest) of
-    `run_dir`); (None, `state`) when the run has no checkpoints."""
+    """(its step, `state` with the policy of checkpoint `step` (default: the newest readable
+    one, module docstring) of `run_dir`); (None, `state`) when the run has no checkpoints."""
     checkpoints = Checkpoints(run_dir, async_save=False)
     try:
         if not checkpoints.steps():

@@ -1,8 +1,10 @@
 """`jaxrl eval`: a run directory's policy evaluated through the CLI on 8 devices: a fresh
 directory (a random policy), again (the same policy, reloaded), a directory holding a training
-run and a checkpoint (read, never refused or replaced); bad invocations exit 2."""
+run and a checkpoint (read, never refused or replaced), a damaged newer checkpoint (moved
+aside with a warning, the one before evaluated); bad invocations exit 2."""
 
 import json
+import logging
 import shutil
 from types import SimpleNamespace
 
@@ -32,7 +34,7 @@ def eval_lines(run_dir):
 
 
 def test_eval_a_fresh_run_dir_then_the_same_policy_then_a_checkpoint(tmp_path, capsys,
-                                                                      monkeypatch):
+                                                                      monkeypatch, caplog):
     run_dir = tmp_path / "run"
     built = []
     build_run = eval_command.build_run
@@ -96,13 +98,36 @@ def test_eval_a_fresh_run_dir_then_the_same_policy_then_a_checkpoint(tmp_path, c
     assert "--step 5" in err and "[3]" in err
     assert len(eval_lines(run_dir)) == 4
 
+    # A newer checkpoint (the random weights) whose parameter files were cut short: asked for,
+    # it is an error naming it; else eval falls back to step 3 and moves it aside, with a warning.
+    checkpoints = Checkpoints(run_dir, async_save=False)
+    checkpoints.save(5, state, run.batches.state(), jax.random.key(0))
+    checkpoints.close()
+    for f in (run_dir / "checkpoints" / "5" / "model").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    assert main(["eval", QUICKSTART, f"train.run_dir={run_dir}", *TINY, "--step", "5"]) == \
+        EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "--step 5" in err and "checkpoint 5" in err and "cannot be read" in err
+    with caplog.at_level(logging.WARNING, logger="jaxrl.checkpoint"):
+        assert main(["eval", QUICKSTART, f"train.run_dir={run_dir}", *TINY]) == 0
+    fell_back = last_json(capsys)
+    assert fell_back["step"] == 3 and fell_back["policy"] == "checkpoint of step 3"
+    assert fell_back["eval/reward_mean"] == 0.0  # step 3's all-zero weights
+    assert "checkpoint 5" in caplog.text
+    assert str(run_dir / "checkpoints_damaged" / "5") in caplog.text
+    assert (run_dir / "checkpoints_damaged" / "5" / "model").is_dir()
+    assert Checkpoints(run_dir).steps() == [3]
+    assert [line["step"] for line in eval_lines(run_dir)[4:]] == [3]
+
     # A task without held-out prompts is skipped with a message; nothing is appended.
     no_rows = SimpleNamespace(task=SimpleNamespace(name="gsm8k", eval_rows=None))
     monkeypatch.setattr(eval_command, "build_run", lambda *args: (no_rows, None))
     assert main(argv) == 0
     skipped = last_json(capsys)
     assert "data.task=gsm8k has no held-out prompts" in skipped["skipped"]
-    assert len(eval_lines(run_dir)) == 4
+    assert len(eval_lines(run_dir)) == 5
 
 
 @pytest.mark.parametrize("overrides, words", [

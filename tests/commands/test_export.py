@@ -1,5 +1,10 @@
 """`jaxrl export`: a checkpoint becomes an HF directory that transformers loads with the same
-logits as jaxrl's policy of that checkpoint; and the non-finite guard of the training loop."""
+logits as jaxrl's policy of that checkpoint; a damaged newest checkpoint is moved aside with a
+warning and the one before exported; and the non-finite guard of the training loop."""
+
+import json
+import logging
+import shutil
 
 import jax
 import numpy as np
@@ -10,7 +15,6 @@ from flax import nnx
 from rich.console import Console
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
-from jaxrl.data.tasks import registry
 from jaxrl.models import from_pretrained
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
@@ -74,11 +78,38 @@ def test_export_a_chosen_step_and_refuse_bad_input(trained, tmp_path, capsys):
     assert "not a jaxrl run directory" in capsys.readouterr().err
 
 
-def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, capsys):
-    def nan_reward(ids_BxC, mask_BxC, target_BxA):
-        return jax.numpy.full(ids_BxC.shape[:1], jax.numpy.nan)
+def test_export_falls_back_from_a_damaged_newest_checkpoint(trained, tmp_path, capsys, caplog):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    (run_dir / "checkpoints" / "2" / "model" / "_METADATA").write_text('{"tree_metadata": {')
+    with caplog.at_level(logging.WARNING, logger="jaxrl.checkpoint"):
+        assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 1
+    moved = run_dir / "checkpoints_damaged" / "2"
+    assert "checkpoint 2" in caplog.text and str(moved) in caplog.text
+    assert "JSONDecodeError" in caplog.text
+    assert (moved / "model" / "_METADATA").read_text() == '{"tree_metadata": {'
+    assert Checkpoints(run_dir).steps() == [1]
+    # The parameters of checkpoint 1, bit for bit.
+    want = from_pretrained(trained / "init_model")
+    nnx.update(want, Checkpoints(trained).restore_model(nnx.state(want), 1)[1])
+    got = from_pretrained(tmp_path / "hf")
+    for a, b in zip(jax.tree.leaves(nnx.state(want)), jax.tree.leaves(nnx.state(got)),
+                    strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
-    monkeypatch.setattr(registry, "addition_reward", nan_reward)
+
+def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, capsys):
+    # A loss that is NaN (a NaN reward no longer gets this far: it is a reward error, 0).
+    from jaxrl.step import phases
+
+    policy_loss = phases.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = policy_loss(*args, **kwargs)
+        return loss * jax.numpy.nan, metrics
+
+    monkeypatch.setattr(phases, "policy_loss", nan_loss)
     cfg = _config(tmp_path, *QUICK, "train.max_steps=10", "train.max_skipped_in_a_row=3",
                   "train.checkpoint_every=1")
     from jaxrl.run import loop

@@ -1,9 +1,11 @@
-"""Checkpoints: bit-exact round trip, another mesh layout, keep-last-K, corrupt fallback."""
+"""Checkpoints: bit-exact round trip, another mesh layout, keep-last-K, and the fallback from a
+damaged checkpoint (moved aside whole, so its step can be saved again)."""
 
 import logging
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from rich.console import Console
@@ -87,32 +89,114 @@ def test_keeps_the_newest_and_restores_a_policy_alone(runs):
         checkpoints.restore(b.state, step=2)
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(runs, caplog):
-    tmp, a, b = runs
-    checkpoints = Checkpoints(tmp / "corrupt", keep=3)
-    first = _host(a.state)
-    checkpoints.save(3, a.state, {"offset": np.array(1)}, jax.random.key(0))
-    changed = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x, a.state)
+def _arrays(step_dir):
+    """The array data files of a checkpoint's parameters (orbax's OCDBT `d/` folders)."""
+    files = [f for f in (step_dir / "model").rglob("*")
+             if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64]
+    assert files
+    return files
+
+
+def _damage(step_dir, kind):
+    """What a crash, a full disk or a bad copy leaves in a checkpoint's files."""
+    if kind == "truncated arrays":
+        for f in _arrays(step_dir):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif kind == "garbled meta JSON":
+        (step_dir / "meta" / "metadata").write_text('{"step": 6, "key": [0, 1')
+    elif kind == "garbled model metadata JSON":
+        path = step_dir / "model" / "_METADATA"
+        path.write_text(path.read_text()[:100])
+    elif kind == "deleted array files":
+        for f in _arrays(step_dir):
+            f.unlink()
+
+
+def _files(folder):
+    return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
+def _save_3_and_6(directory, state):
+    """Checkpoints 3 (`state`) and 6 (`state` + 1), with iterator offsets 1 and 2."""
+    checkpoints = Checkpoints(directory, keep=3)
+    changed = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x, state)
+    checkpoints.save(3, state, {"offset": np.array(1)}, jax.random.key(0))
     checkpoints.save(6, changed, {"offset": np.array(2)}, jax.random.key(0))
     checkpoints.wait()
-    # Truncate every data file of checkpoint 6's parameters to half its size.
-    files = [f for f in (tmp / "corrupt" / "checkpoints" / "6" / "model").rglob("*")
-             if f.is_file() and f.stat().st_size > 64]
-    assert files
-    for f in files:
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    checkpoints.close()
+    return changed
+
+
+@pytest.mark.parametrize("kind", ["truncated arrays", "garbled meta JSON",
+                                  "garbled model metadata JSON", "deleted array files"])
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_its_step_saved_again(runs, caplog,
+                                                                             kind):
+    tmp, a, b = runs
+    run_dir = tmp / f"damaged-{kind.replace(' ', '-')}"
+    changed = _save_3_and_6(run_dir, a.state)
+    _damage(run_dir / "checkpoints" / "6", kind)
+    damaged_files = _files(run_dir / "checkpoints" / "6")
+    checkpoints = Checkpoints(run_dir, keep=3)
     with caplog.at_level(logging.WARNING, logger="jaxrl.checkpoint"):
-        restored = Checkpoints(tmp / "corrupt").restore(b.state)
-    assert restored.step == 3
-    assert int(restored.data["offset"]) == 1
-    _assert_same(first, _host(restored.state))
-    assert "checkpoint 6" in caplog.text and "falling back" in caplog.text
-    # When no checkpoint can be read, that is an error, not a fresh start.
-    for f in (tmp / "corrupt" / "checkpoints" / "3" / "model").rglob("*"):
-        if f.is_file() and f.stat().st_size > 64:
-            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    with pytest.raises(RestoreError, match="could be read"):
-        Checkpoints(tmp / "corrupt").restore(b.state)
+        restored = checkpoints.restore(b.state)
+    assert restored.step == 3 and int(restored.data["offset"]) == 1
+    _assert_same(_host(a.state), _host(restored.state))
+    # Moved, whole and untouched, out of orbax's directory; the warning says where to.
+    moved = run_dir / "checkpoints_damaged" / "6"
+    assert _files(moved) == damaged_files
+    assert checkpoints.steps() == [3]
+    assert "checkpoint 6" in caplog.text and str(moved) in caplog.text
+    assert "fell back to checkpoint 3" in caplog.text
+
+    # The resumed run saves step 6 again, and the next start resumes from it without a word.
+    checkpoints.save(6, changed, {"offset": np.array(2)}, jax.random.key(0))
+    checkpoints.wait()
+    checkpoints.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxrl.checkpoint"):
+        again = Checkpoints(run_dir).restore(b.state)
+    assert again.step == 6 and int(again.data["offset"]) == 2
+    _assert_same(_host(changed), _host(again.state))
+    assert not caplog.records
+    assert _files(moved) == damaged_files
+
+
+def test_the_policy_alone_falls_back_too_but_never_from_an_asked_for_step(runs, caplog):
+    tmp, a, b = runs
+    run_dir = tmp / "policy"
+    _save_3_and_6(run_dir, a.state)
+    _damage(run_dir / "checkpoints" / "6", "truncated arrays")
+    # A step asked for (eval/export --step 6) is not replaced by another, and stays in place.
+    with pytest.raises(RestoreError, match=r"checkpoint 6 in .* cannot be read .*left in place"):
+        restore_policy(run_dir, b.state, step=6)
+    assert Checkpoints(run_dir).steps() == [3, 6]
+    # Without a step: the one before, the damaged one moved aside (next to an earlier one).
+    (run_dir / "checkpoints_damaged" / "6").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="jaxrl.checkpoint"):
+        step, state = restore_policy(run_dir, b.state)
+    assert step == 3
+    _assert_same(_host(a.state["model"]), _host(state["model"]))
+    assert (run_dir / "checkpoints_damaged" / "6-1" / "model").is_dir()
+    assert str(run_dir / "checkpoints_damaged" / "6-1") in caplog.text
+    assert Checkpoints(run_dir).steps() == [3]
+
+
+def test_when_no_checkpoint_can_be_read_it_is_an_error_and_nothing_is_moved(runs):
+    tmp, a, b = runs
+    run_dir = tmp / "unreadable"
+    _save_3_and_6(run_dir, a.state)
+    # A model of another shape fits no checkpoint: that is not damage, so nothing moves.
+    wider = jax.tree.map(lambda x: jnp.zeros((*x.shape[:-1], 2 * x.shape[-1]), x.dtype),
+                         b.state["model"])
+    with pytest.raises(RestoreError, match=r"(?s)could be read.*step 6: .*step 3: "):
+        Checkpoints(run_dir).restore_model(wider)
+    for step in ("3", "6"):
+        _damage(run_dir / "checkpoints" / step, "truncated arrays")
+    with pytest.raises(RestoreError, match=r"(?s)could be read.*step 6: .*step 3: "):
+        Checkpoints(run_dir).restore(b.state)
+    # When none can be read, that is an error, not a fresh start; and nothing was moved.
+    assert Checkpoints(run_dir).steps() == [3, 6]
+    assert not (run_dir / "checkpoints_damaged").exists()
 
 
 def test_an_unfinished_save_is_not_a_checkpoint(runs):

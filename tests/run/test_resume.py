@@ -1,6 +1,7 @@
 """Crashes and preemption, with real processes and real signals: a run killed with SIGKILL
 resumes to the same metrics as an uninterrupted run; SIGTERM ends a run with a checkpoint and
-exit status 0."""
+exit status 0; a damaged newest checkpoint is moved aside with a warning on the console, and
+the run goes on from the one before."""
 
 import json
 import os
@@ -90,3 +91,47 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     assert [r["step"] for r in records] == list(range(len(records)))
     assert Checkpoints(tmp_path).steps() == [len(records)]
     assert "run the same command to resume" in err
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130_and_twice_stops_at_once(tmp_path):
+    process = _start(tmp_path, "train.max_steps=100000", "train.checkpoint_every=1000")
+    _wait_for_steps(process, tmp_path, 5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["stopped_by"] == "SIGINT"
+    assert summary["checkpoint_step"] == len(records)
+    assert Checkpoints(tmp_path).steps() == [len(records)]
+    assert f"checkpoint ({tmp_path / 'checkpoints' / str(len(records))})" in err
+
+    # Resumed, then two Ctrl-Cs in a row: the second does not wait for the step and the save.
+    process = _start(tmp_path, "train.max_steps=100000", "train.checkpoint_every=1000")
+    _wait_for_steps(process, tmp_path, len(records) + 5)
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_a_damaged_checkpoint_is_moved_aside_then_its_step_saved_again(tmp_path):
+    every = "train.checkpoint_every=2"
+    _finish(_start(tmp_path, "train.max_steps=4", every))
+    assert Checkpoints(tmp_path).steps() == [2, 4]
+    garbled = '{"step": 4, "key": ['  # checkpoint 4's JSON meta, cut short
+    (tmp_path / "checkpoints" / "4" / "meta" / "metadata").write_text(garbled)
+
+    # The warning reaches the console, naming the step, the error and where the step went.
+    _, err = _finish(_start(tmp_path, "train.max_steps=6", every))
+    moved = tmp_path / "checkpoints_damaged" / "4"
+    warning = next(line for line in err.splitlines() if "cannot be read" in line)
+    assert "checkpoint 4" in warning and str(moved) in warning and "JSONDecodeError" in warning
+    assert "from the checkpoint at step 2" in err
+    assert (moved / "meta" / "metadata").read_text() == garbled
+    # Step 4 was saved again (its old folder is gone from checkpoints/), and the run went on
+    # (a later start reading the new step 4 or 6: test_checkpoint.py).
+    assert Checkpoints(tmp_path).steps() == [2, 4, 6]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(6))
