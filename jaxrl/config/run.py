@@ -24,9 +24,18 @@ class TrainSection:
     keep_checkpoints: int = 3  # the newest N are kept
     # Stop when this many steps in a row skipped an update for a non-finite loss or gradient.
     max_skipped_in_a_row: int = 5
+    # A step fails its rewards when some reward failed (raised, returned a non-number or a
+    # value outside its bounds: the sample got 0) on more than this fraction of the step's
+    # samples (data.batch_size x rollout.num_generations); 0: any failure, 1: never.
+    reward_error_frac: float = 0.5
+    # Stop, naming the reward's first error, after this many such steps in a row.
+    reward_error_steps: int = 3
 
     def __post_init__(self):
-        require_at_least("train", self, ("max_steps", "keep_checkpoints", "max_skipped_in_a_row"))
+        require_at_least("train", self, ("max_steps", "keep_checkpoints", "max_skipped_in_a_row",
+                                         "reward_error_steps"))
+        if not 0.0 <= self.reward_error_frac <= 1.0:
+            fail("train", self, "reward_error_frac", "in [0, 1] (1: never stop)")
         require_at_least("train", self, ("seed",), 0)
         require_at_least("train", self, ("checkpoint_every",), 0, " (0: no checkpoints)")
 

@@ -6,16 +6,19 @@ A reward is one of two kinds:
     PythonReward  fn(prompt: str, completion: str, fields: dict) -> float: runs on the host,
                   one sample per call.
 
+Every reward declares the range of its values, `bounds` = (low, high), (0, 1) by default.
+
 A `RewardSet` combines them: total_B = Σ_k w_k · r_k,B, summed in the order the rewards were
 given, so the same values always give the same bits. Its metrics are `reward/<name>` (the
 unweighted batch mean of each reward), `reward/mean` and `reward/std` (population std) of the
-total, and `reward/errors` (the number of failed Python calls in the batch).
+total, `reward/errors/<name>` (the samples each reward failed on) and `reward/errors` (the
+failed reward calls of the batch, all rewards together).
 
 The Python rewards of a set run together in one host function, `RewardSet.score_host`, which
 decodes the prompt and completion ids to text with the injected `decode` callable, looks up
 each sample's non-array task fields (answer strings...) by its dataset row with the injected
-`host_fields` callable, and returns the per-reward values [K, B] and per-sample error counts
-[B]. The two step modes call it differently and give identical totals:
+`host_fields` callable, and returns the per-reward values [K, B] (NaN where a call failed)
+and per-sample error counts [B] (`host_rewards.py`). The two step modes call it differently and give identical totals:
 
     fused  `score(inputs)` calls it through one `jax.pure_callback` inside the program;
     split  the host calls `score_host(inputs)` between the two programs and passes the result
@@ -24,27 +27,29 @@ each sample's non-array task fields (answer strings...) by its dataset row with 
 Under jit with inputs sharded over a mesh, the callback receives the whole (gathered) batch,
 so its values do not depend on the sharding (single-process; a multi-host run uses split mode).
 
-A Python reward that raises, or returns a non-number or a non-finite number, gives that sample
-0 and counts one error; the first failure of each reward is logged with its traceback to the
-logger "jaxrl.rewards", later ones are only counted, and the run goes on. A JAX reward cannot
-fail per sample: a wrong output shape is a trace-time error that names the reward.
+A reward fails on a sample when it returns a value outside its bounds or a non-finite one
+(checked in the program for a JAX reward), or, a Python reward, when it raises or returns a
+non-number. The sample then gets 0 from that reward and the failure counts in the error
+metrics; the run goes on (the training loop stops it when failures persist,
+`train.reward_error_frac`). The set remembers the first error of each reward as one line of
+text (`errors`, `first_error`) and logs it to "jaxrl.rewards": a Python reward's when it
+happens (host_rewards.py), a JAX reward's when the host sees its step's metrics (`observe`).
+A wrong output shape of a JAX reward is a trace-time error that names the reward.
 
-A sample is *solved* when its total is the highest a sample can earn, every reward at its best
-(each lies in [0, 1]): max_total = Σ_k max(w_k, 0), a positive-weight reward at 1 and a
-negative-weight one (a penalty) at 0. Training's per-prompt success (the curriculum) and
-evaluation's exact match both use `RewardSet.solved`.
+A sample is *solved* when its total is the highest a sample can earn, every reward at its best:
+max_total = Σ_k (w_k · high_k if w_k > 0 else w_k · low_k), a positive-weight reward at its
+high bound and a negative-weight one (a penalty) at its low bound; with the default bounds
+(0, 1), Σ_k max(w_k, 0). Training's per-prompt success (the curriculum) and evaluation's exact
+match both use `RewardSet.solved`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import numbers
 import re
-import threading
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-logger = logging.getLogger("jaxrl.rewards")
+from jaxrl.rl.host_rewards import RewardErrors, format_bounds, score_python
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 # Metric keys of the set itself, and of the step's reward shaping (reward/overlong).
@@ -83,6 +88,19 @@ def _check_name_and_weight(kind: str, name: str, weight: float) -> None:
         raise ValueError(f"{kind} {name!r}: weight must be a finite number, got {weight!r}")
 
 
+def _checked_bounds(kind: str, name: str, bounds: Any) -> tuple[float, float]:
+    """`bounds` as (low, high) floats: two finite numbers, low < high."""
+    try:
+        low, high = bounds
+    except (TypeError, ValueError):
+        low = high = None
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+               for x in (low, high)) or not low < high:
+        raise ValueError(f"{kind} {name!r}: bounds must be two finite numbers (low, high) with "
+                         f"low < high, got {bounds!r}")
+    return float(low), float(high)
+
+
 @dataclasses.dataclass(frozen=True)
 class JaxReward:
     """An in-graph reward: fn(RewardInputs) -> r_B float, traced into the program."""
@@ -90,9 +108,11 @@ class JaxReward:
     name: str
     fn: Callable[[RewardInputs], jax.Array]
     weight: float = 1.0
+    bounds: tuple[float, float] = (0.0, 1.0)  # (low, high): other values are errors
 
     def __post_init__(self):
         _check_name_and_weight("JaxReward", self.name, self.weight)
+        object.__setattr__(self, "bounds", _checked_bounds("JaxReward", self.name, self.bounds))
         if not callable(self.fn):
             raise ValueError(f"JaxReward {self.name!r}: fn must be callable, got {self.fn!r}")
 
@@ -104,9 +124,12 @@ class PythonReward:
     name: str
     fn: Callable[[str, str, dict[str, Any]], float]
     weight: float = 1.0
+    bounds: tuple[float, float] = (0.0, 1.0)  # (low, high): other values are errors
 
     def __post_init__(self):
         _check_name_and_weight("PythonReward", self.name, self.weight)
+        object.__setattr__(self, "bounds", _checked_bounds("PythonReward", self.name,
+                                                           self.bounds))
         if not callable(self.fn):
             raise ValueError(f"PythonReward {self.name!r}: fn must be callable, got {self.fn!r}")
 
@@ -128,8 +151,7 @@ class RewardSet:
     rewards: Sequence[Reward]
     decode: Decode | None = None
     host_fields: HostFields | None = None
-    _logged: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False,
+    _errors: RewardErrors = dataclasses.field(default_factory=RewardErrors, init=False,
                                               repr=False)
 
     def __post_init__(self):
@@ -149,8 +171,9 @@ class RewardSet:
 
     @property
     def max_total(self) -> float:
-        """The highest total a sample can earn: Σ_k max(w_k, 0)."""
-        return float(sum(max(r.weight, 0.0) for r in self.rewards))
+        """The highest total a sample can earn: Σ_k w_k · (high_k if w_k > 0 else low_k)."""
+        return float(sum(r.weight * (r.bounds[1] if r.weight > 0 else r.bounds[0])
+                         for r in self.rewards))
 
     def solved(self, total_B: Any) -> Any:
         """Whether each total is `max_total` (to float32 rounding); numpy or jax arrays."""
@@ -161,8 +184,28 @@ class RewardSet:
         """The host rewards, in the order given: the K rows of `score_host`'s values."""
         return tuple(r for r in self.rewards if isinstance(r, PythonReward))
 
+    @property
+    def errors(self) -> dict[str, str]:
+        """{reward name: the text of its first error}, in the order the errors happened."""
+        return self._errors.by_reward
+
+    @property
+    def first_error(self) -> str | None:
+        """The text of the first error of any reward (module docstring), or None."""
+        return self._errors.first
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Notes the first error of each JAX reward from a step's fetched metrics."""
+        for r in self.rewards:
+            failed = metrics.get(f"reward/errors/{r.name}", 0)
+            if isinstance(r, JaxReward) and failed:
+                self._errors.note(r.name, f"JaxReward {r.name!r} returned values outside "
+                                          f"{format_bounds(r.bounds)} or non-finite on "
+                                          f"{int(failed)} samples of step {step}")
+
     def score_host(self, inputs: RewardInputs) -> tuple[np.ndarray, np.ndarray]:
-        """(values_KxB float32, errors_B float32) of the Python rewards, on the host."""
+        """(values_KxB float32, NaN where a call failed; errors_B float32, the failed calls
+        of each sample) of the Python rewards, on the host."""
         out = self._host(np.asarray(inputs.prompt_ids_BxP), np.asarray(inputs.prompt_mask_BxP),
                          np.asarray(inputs.completion_ids_BxC),
                          np.asarray(inputs.completion_mask_BxC), np.asarray(inputs.rows_B))
@@ -191,13 +234,15 @@ class RewardSet:
                                  f"{values_KxB.shape} and {errors_B.shape}")
         else:
             values_KxB, errors_B = jnp.zeros((0, b), jnp.float32), jnp.zeros((b,), jnp.float32)
+        failed_KxB = jnp.isnan(values_KxB)
+        values_KxB = jnp.where(failed_KxB, 0.0, values_KxB)
 
         total_B = jnp.zeros((b,), jnp.float32)
         metrics = {}
         host_row = 0
         for reward in self.rewards:
             if isinstance(reward, PythonReward):
-                r_B = values_KxB[host_row]
+                r_B, failed_B = values_KxB[host_row], failed_KxB[host_row]
                 host_row += 1
             else:
                 r_B = jnp.asarray(reward.fn(inputs))
@@ -205,58 +250,19 @@ class RewardSet:
                     raise ValueError(f"JaxReward {reward.name!r} returned shape {r_B.shape}, "
                                      f"expected ({b},)")
                 r_B = r_B.astype(jnp.float32)
+                low, high = (jnp.float32(x) for x in reward.bounds)
+                failed_B = ~((r_B >= low) & (r_B <= high))  # NaN compares false: failed too
+                r_B = jnp.where(failed_B, 0.0, r_B)
+                errors_B = errors_B + failed_B
             total_B = total_B + jnp.float32(reward.weight) * r_B
             metrics[f"reward/{reward.name}"] = jnp.mean(r_B)
+            metrics[f"reward/errors/{reward.name}"] = jnp.sum(failed_B, dtype=jnp.float32)
         metrics["reward/errors"] = jnp.sum(errors_B)
         metrics["reward/mean"] = jnp.mean(total_B)
         metrics["reward/std"] = jnp.std(total_B)
         return total_B, metrics
 
-    def _host(self, prompt_ids_BxP, prompt_mask_BxP, completion_ids_BxC, completion_mask_BxC,
-              rows_B) -> np.ndarray:
-        """[K + 1, B] float32: each Python reward's values, then the errors per sample."""
-        python_rewards = self.python_rewards
-        b = np.shape(completion_ids_BxC)[0]
-        prompts = self.decode(np.asarray(prompt_ids_BxP), np.asarray(prompt_mask_BxP))
-        completions = self.decode(np.asarray(completion_ids_BxC),
-                                  np.asarray(completion_mask_BxC))
-        if self.host_fields is None:
-            fields = [{} for _ in range(b)]
-        else:
-            fields = self.host_fields(np.asarray(rows_B))
-        for what, got in (("decode (prompts)", prompts), ("decode (completions)", completions),
-                          ("host_fields", fields)):
-            if len(got) != b:
-                raise ValueError(f"{what} returned {len(got)} items for a batch of {b}")
-        out = np.zeros((len(python_rewards) + 1, b), np.float32)
-        for i, reward in enumerate(python_rewards):
-            for j in range(b):
-                value = self._call(reward, prompts[j], completions[j], fields[j])
-                if value is None:
-                    out[-1, j] += 1
-                else:
-                    out[i, j] = value
-        return out
-
-    def _call(self, reward: PythonReward, prompt: str, completion: str,
-              fields: dict[str, Any]) -> float | None:
-        """The reward's value as a float, or None (failure: logged if it is the first)."""
-        try:
-            value = reward.fn(prompt, completion, fields)
-            if isinstance(value, np.bool_):
-                value = bool(value)
-            if not isinstance(value, numbers.Real):
-                raise TypeError(f"returned {value!r} of type {type(value).__name__}, "
-                                f"not a number")
-            if not math.isfinite(value):
-                raise ValueError(f"returned the non-finite value {value!r}")
-            return float(value)
-        except Exception:
-            with self._lock:
-                first = reward.name not in self._logged
-                self._logged.add(reward.name)
-            if first:
-                logger.error("Python reward %r failed; the sample gets 0 and counts in "
-                             "reward/errors (only this first failure is logged):\n%s",
-                             reward.name, traceback.format_exc())
-            return None
+    def _host(self, *arrays) -> np.ndarray:
+        """[K + 1, B] float32: `host_rewards.score_python` of the Python rewards."""
+        return score_python(self.python_rewards, self.decode, self.host_fields, self._errors,
+                            *arrays)

@@ -25,8 +25,14 @@ a resumed run's metrics equal an uninterrupted run's (timings aside).
 
 Faults: an update whose loss or gradient is not finite is skipped in the program
 (`train_on`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
-`NonFiniteError` (its metrics written, no checkpoint of the diverged state). SIGTERM
-(`preemption.py`) ends the run after the step in flight with a checkpoint, exit status 0.
+`NonFiniteError` (its metrics written, no checkpoint of the diverged state). A step *fails
+its rewards* when some reward failed (raised, or returned a non-number or a value outside its
+bounds: `jaxrl.rl.rewards`) on more than `train.reward_error_frac` of the step's samples
+(reward/errors/<name> / (data.batch_size × rollout.num_generations)); after
+`train.reward_error_steps` such steps in a row the run stops with `RewardFailureError`, whose
+message holds that reward's first error (its metrics written; the count restarts on resume).
+SIGTERM (`preemption.py`) ends the run after the step in flight with a checkpoint, exit
+status 0.
 
 Before step 0, `preflight` compiles the step, checks its memory fit and counts its FLOPs;
 each step's record is made by `StepRecorder` (`recorder.py`, which defines its time/* and
@@ -55,7 +61,7 @@ from jaxrl.run.run_dir import FINAL_MODEL_DIR, PLOT_FILE
 from jaxrl.run.start import Started, start_run
 from jaxrl.run.summary import run_summary
 
-__all__ = ["NonFiniteError", "TrainingStopped", "train"]
+__all__ = ["NonFiniteError", "RewardFailureError", "TrainingStopped", "train"]
 
 
 class TrainingStopped(RuntimeError):
@@ -65,6 +71,10 @@ class TrainingStopped(RuntimeError):
 
 class NonFiniteError(TrainingStopped):
     """Too many steps in a row had a non-finite loss or gradient: the run stopped."""
+
+
+class RewardFailureError(TrainingStopped):
+    """A reward failed on too many samples for too many steps in a row: the run stopped."""
 
 
 def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict[str, Any]:
@@ -86,7 +96,8 @@ def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict
                     summary["stopped_by"] = stop.signal
                     summary["checkpoint_step"] = stopped
                     console.print(f"[bold yellow]{stop.signal}[/]: stopped after step {stopped} "
-                                  f"with a checkpoint; run the same command to resume")
+                                  f"with a checkpoint ({checkpoints.directory / str(stopped)}); "
+                                  f"run the same command to resume")
                 else:
                     _finish(cfg, started, state, log, summary)
             finally:
@@ -129,11 +140,26 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     # Each step's prompt positions (for the curriculum) and data metrics, taken at its draw.
     drawn: dict[int, tuple[Any, dict[str, float]]] = {}
     evaluator: Evaluator | None = None
+    rewards = run.step.rewards
+    failing = 0  # steps in a row that failed their rewards
 
     def record(step: int, out: Any) -> None:
+        nonlocal failing
         line = recorder.record(step, out, *drawn[step])
         del drawn[step]  # only once recorded: a failed fetch is tried again in `finally`
         bar.add(line)
+        rewards.observe(step, line)
+        fraction, name = max((line.get(f"reward/errors/{r.name}", 0.0) / run.rows, r.name)
+                             for r in rewards.rewards)
+        failing = failing + 1 if fraction > cfg.train.reward_error_frac else 0
+        if failing >= cfg.train.reward_error_steps:
+            first = rewards.errors.get(name) or (f"reward {name!r} failed on the rows of "
+                                                 f"another process: see its log")
+            raise RewardFailureError(
+                f"step {step}: reward {name!r} failed on {fraction:.0%} of the step's samples, "
+                f"more than train.reward_error_frac={cfg.train.reward_error_frac}, "
+                f"{failing} steps in a row (train.reward_error_steps="
+                f"{cfg.train.reward_error_steps}); its first error: {first}")
         if line["train/skipped_in_a_row"] >= cfg.train.max_skipped_in_a_row:
             raise NonFiniteError(
                 f"step {step}: {int(line['train/skipped_in_a_row'])} steps in a row had a "

@@ -1,5 +1,6 @@
 """`jaxrl train`: the quickstart learns (a real process on one CPU device, as README runs it),
-and bad configs, data or run directories exit with status 2 naming the problem."""
+bad configs, data or run directories exit with status 2 naming the problem, and a reward that
+keeps failing stops the run with status 1 and its first error."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.run.metrics_log import read_metrics
+from tests.test_shipped_configs import _tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -56,8 +58,11 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
      ["algo.loss.tis_cap needs rollout.temperature=1.0", "0.7"]),
     (["sharding.layout=nope"], ["nope", "fsdp_tp"]),
     (["perf.peak_tflops=0"], ["perf.peak_tflops", "0"]),
-    # The step is compiled and checked against the limit before anything runs.
-    (["perf.memory_limit_gib=0.0001"], ["step program", "per device, more than the",
+    (["train.reward_error_frac=1.5"], ["train.reward_error_frac must be in [0, 1]", "1.5"]),
+    (["train.reward_error_steps=0"], ["train.reward_error_steps must be >= 1", "0"]),
+    # The step is compiled and checked against the limit before anything runs (a limit the
+    # KV cache alone fits, 164 KiB per device, so that the compiled program's check speaks).
+    (["perf.memory_limit_gib=0.0004"], ["step program", "per device, more than the",
                                         "Try one of", "model.remat=block"]),
 ])
 def test_bad_config_exits_2_naming_the_key(overrides, words, tmp_path, capsys):
@@ -125,3 +130,75 @@ def test_the_quickstart_fits_an_8_device_host_without_a_layout_override(tmp_path
     err = capsys.readouterr().err
     assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in err, err[-2000:]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+# Custom-task rewards that fail on every sample, each in its own way.
+FAILING_REWARDS = """
+def raises(prompt, completion, fields):
+    raise RuntimeError(f"reward exploded on {prompt!r}")
+
+def nan(prompt, completion, fields):
+    return float("nan")
+
+def text(prompt, completion, fields):
+    return "high"
+
+def five(prompt, completion, fields):
+    return 5.0
+"""
+
+
+@pytest.fixture(scope="module")
+def custom_task(tmp_path_factory):
+    """(the quickstart's overrides for a custom task on a tiny model, the reward module's
+    folder): prompts "a+b=", rewards from the module jaxrl_test_failing_rewards."""
+    tmp = tmp_path_factory.mktemp("custom")
+    model = _tiny_model_dir(tmp / "model", "qwen2")
+    data = tmp / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n"
+                            for a in range(4) for b in range(4)), encoding="utf-8")
+    (tmp / "jaxrl_test_failing_rewards.py").write_text(FAILING_REWARDS)
+    overrides = [f"model.path={model}", "data.task=custom", f"data.source={data}",
+                 "data.batch_size=4", "rollout.num_generations=4", "algo.num_minibatches=1",
+                 "eval.num_prompts=0", "train.checkpoint_every=0", "train.save_final=false",
+                 "perf.count_flops=false", "log.plot=false", "log.tensorboard=false"]
+    return overrides, tmp
+
+
+@pytest.mark.parametrize("name, what", [
+    ("raises", "RuntimeError: reward exploded on '"),
+    ("nan", "returned the non-finite value nan"),
+    ("text", "returned 'high' of type str, not a number"),
+    ("five", "returned 5.0, outside its declared range [0, 1]"),
+])
+def test_a_reward_failing_step_after_step_stops_the_run_with_its_first_error(
+        name, what, custom_task, tmp_path, capsys, monkeypatch):
+    overrides, module_dir = custom_task
+    monkeypatch.syspath_prepend(str(module_dir))
+    code = main(["train", QUICKSTART, *overrides, f"train.run_dir={tmp_path}",
+                 f"data.reward_fn=jaxrl_test_failing_rewards:{name}", "train.max_steps=6",
+                 "train.reward_error_steps=2"])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    message = " ".join(err[err.index("training stopped:"):].split())  # unwrapped
+    assert "step 1: reward " in message and "failed on 100% of the step's samples" in message
+    for words in ("train.reward_error_frac=0.5", "2 steps in a row",
+                  "train.reward_error_steps=2", f"PythonReward {name!r} on prompt", what):
+        assert words in message, (words, message)
+    # Every sample failed, and the steps recorded before the stop are on disk.
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["reward/errors"] == r[f"reward/errors/{name}"] == 16 for r in records)
+    assert all(r[f"reward/{name}"] == 0 for r in records)
+
+
+def test_a_run_allowed_to_fail_its_rewards_goes_on_and_counts_them(custom_task, tmp_path,
+                                                                 capsys, monkeypatch):
+    overrides, module_dir = custom_task
+    monkeypatch.syspath_prepend(str(module_dir))
+    # reward_error_frac=1: a fraction of failed samples is never more than that.
+    assert main(["train", QUICKSTART, *overrides, f"train.run_dir={tmp_path}",
+                 "data.reward_fn=jaxrl_test_failing_rewards:raises", "train.max_steps=3",
+                 "train.reward_error_frac=1.0", "train.reward_error_steps=1"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["reward_errors"] == 3 * 16

@@ -1,5 +1,7 @@
 import functools
 import logging
+import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,9 @@ def length(prompt, completion, fields):
     return len(prompt) + 0.5 * len(completion)
 
 
+LENGTH_BOUNDS = (0.0, 100.0)  # the prompts and completions here are short
+
+
 def fails_on_zero(prompt, completion, fields):
     if completion.startswith("0"):
         raise RuntimeError(f"no zeros please: {completion}")
@@ -68,7 +73,7 @@ EXACT_BY_HAND = [float(c == p["answer"]) for p, c in zip(PROBLEMS, COMPLETIONS, 
 def mixed_set() -> RewardSet:
     return RewardSet([JaxReward("digits", digits_reward, weight=0.5),
                       PythonReward("exact", exact, weight=2.0),
-                      PythonReward("length", length, weight=-0.25)],
+                      PythonReward("length", length, weight=-0.25, bounds=LENGTH_BOUNDS)],
                      decode=DECODE, host_fields=host_fields)
 
 
@@ -88,7 +93,8 @@ def test_jax_only_set_runs_in_graph_and_jit_equals_eager():
 
 
 def test_python_only_set_in_jit_equals_calling_the_functions_by_hand():
-    rewards = RewardSet([PythonReward("exact", exact), PythonReward("length", length)],
+    rewards = RewardSet([PythonReward("exact", exact),
+                         PythonReward("length", length, bounds=LENGTH_BOUNDS)],
                         decode=DECODE, host_fields=host_fields)
     total, metrics = jax.jit(rewards.score)(INPUTS)
     prompts = DECODE(INPUTS.prompt_ids_BxP, INPUTS.prompt_mask_BxP)
@@ -114,7 +120,8 @@ def test_mixed_weighted_total_is_the_weighted_sum_by_hand():
     np.testing.assert_array_equal(values[0], EXACT_BY_HAND)
     np.testing.assert_array_equal(errors, np.zeros(B))
     assert set(metrics) == {"reward/digits", "reward/exact", "reward/length",
-                            "reward/errors", "reward/mean", "reward/std"}
+                            "reward/errors/digits", "reward/errors/exact",
+                            "reward/errors/length", "reward/errors", "reward/mean", "reward/std"}
     np.testing.assert_allclose(metrics["reward/mean"], want.mean(), rtol=1e-6)
 
 
@@ -136,7 +143,7 @@ def test_split_host_values_of_the_wrong_shape_are_an_error():
 
 def test_raising_python_reward_gives_zero_counts_errors_and_logs_once(caplog):
     rewards = RewardSet([JaxReward("digits", digits_reward),
-                         PythonReward("picky", fails_on_zero),
+                         PythonReward("picky", fails_on_zero, bounds=(0.0, 2.0)),
                          PythonReward("exact", exact)],
                         decode=DECODE, host_fields=host_fields)
     completions = DECODE(INPUTS.completion_ids_BxC, INPUTS.completion_mask_BxC)
@@ -148,22 +155,29 @@ def test_raising_python_reward_gives_zero_counts_errors_and_logs_once(caplog):
             total, metrics = score(INPUTS)
             jax.block_until_ready(total)
     values, errors = rewards.score_host(INPUTS)
-    np.testing.assert_array_equal(values[0], np.where(failing, 0.0, 2.0))
+    np.testing.assert_array_equal(values[0], np.where(failing, np.nan, 2.0))  # NaN: failed
     np.testing.assert_array_equal(values[1], EXACT_BY_HAND)  # the other reward is unaffected
     np.testing.assert_array_equal(errors, failing.astype(np.float32))
-    assert float(metrics["reward/errors"]) == failing.sum()
+    assert float(metrics["reward/errors"]) == float(metrics["reward/errors/picky"]) == failing.sum()
+    assert float(metrics["reward/errors/exact"]) == float(metrics["reward/errors/digits"]) == 0
     want = np.asarray(digits_reward(INPUTS)) + np.where(failing, 0.0, 2.0) + EXACT_BY_HAND
     np.testing.assert_allclose(total, want, rtol=1e-6)
     records = [r for r in caplog.records if r.name == "jaxrl.rewards"]
     assert len(records) == 1
     message = records[0].getMessage()
     assert "'picky'" in message and "Traceback" in message and "no zeros please" in message
+    # The first failure is also kept as text: the reward, its sample, the exception.
+    j = int(np.argmax(failing))
+    prompt = DECODE(INPUTS.prompt_ids_BxP, INPUTS.prompt_mask_BxP)[j]
+    want = (f"PythonReward 'picky' on prompt {prompt!r} and completion {completions[j]!r}: "
+            f"RuntimeError: no zeros please: {completions[j]}")
+    assert rewards.first_error == want and rewards.errors == {"picky": want}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1.0", None, [1.0]])
 def test_non_finite_or_non_number_values_count_as_errors(bad, caplog):
     rewards = RewardSet([PythonReward("bad", lambda p, c, f: bad),
-                         PythonReward("ok", lambda p, c, f: np.float64(1.5))],
+                         PythonReward("ok", lambda p, c, f: np.float64(1.5), bounds=(0, 2))],
                         decode=DECODE)
     with caplog.at_level(logging.ERROR, logger="jaxrl.rewards"):
         total, metrics = jax.jit(rewards.score)(INPUTS)
@@ -171,6 +185,94 @@ def test_non_finite_or_non_number_values_count_as_errors(bad, caplog):
     assert float(metrics["reward/errors"]) == B
     assert float(metrics["reward/bad"]) == 0.0
     assert len([r for r in caplog.records if r.name == "jaxrl.rewards"]) == 1
+
+
+def test_python_value_outside_its_bounds_is_an_error_that_names_the_range(caplog):
+    rewards = RewardSet([PythonReward("five", lambda p, c, f: 5.0),
+                         PythonReward("wide", lambda p, c, f: 5.0, bounds=(-10, 10))],
+                        decode=DECODE)
+    with caplog.at_level(logging.ERROR, logger="jaxrl.rewards"):
+        total, metrics = jax.jit(rewards.score)(INPUTS)
+    np.testing.assert_array_equal(total, np.full(B, 5.0, np.float32))  # "wide" alone counts
+    assert float(metrics["reward/five"]) == 0.0 and float(metrics["reward/wide"]) == 5.0
+    assert float(metrics["reward/errors"]) == float(metrics["reward/errors/five"]) == B
+    assert float(metrics["reward/errors/wide"]) == 0
+    prompt = DECODE(INPUTS.prompt_ids_BxP, INPUTS.prompt_mask_BxP)[0]
+    completion = DECODE(INPUTS.completion_ids_BxC, INPUTS.completion_mask_BxC)[0]
+    want = (f"PythonReward 'five' on prompt {prompt!r} and completion {completion!r}: "
+            f"returned 5.0, outside its declared range [0, 1]")
+    assert rewards.errors == {"five": want} and rewards.first_error == want
+    (record,) = [r for r in caplog.records if r.name == "jaxrl.rewards"]
+    assert want in record.getMessage()
+
+
+@pytest.mark.parametrize(("value", "failed"), [
+    (0.0, False), (1.0, False), (1 + 1e-12, False),  # 1 + 1e-12 is 1 in float32
+    (1.001, True), (-1e-3, True), (1e300, True)])
+def test_bounds_are_inclusive_and_compared_in_float32(value, failed):
+    rewards = RewardSet([PythonReward("r", lambda p, c, f: value)], decode=DECODE)
+    values, errors = rewards.score_host(INPUTS)
+    assert np.isnan(values).all() == failed and (errors == float(failed)).all()
+    assert (rewards.first_error is not None) == failed
+
+
+@pytest.mark.parametrize(("bad", "what"), [
+    (float("nan"), "returned the non-finite value nan"),
+    ("1.0", "returned '1.0' of type str, not a number"),
+    (None, "returned None of type NoneType, not a number"),
+    (-2, "returned -2.0, outside its declared range [0, 1]")])
+def test_first_error_says_what_the_reward_returned_on_which_sample(bad, what):
+    long_text = "x" * 100  # excerpts are cut
+    rewards = RewardSet([PythonReward("bad", lambda p, c, f: bad)],
+                        decode=lambda ids, mask: [long_text] * len(ids))
+    rewards.score_host(INPUTS)
+    excerpt = repr("x" * 60 + "...")
+    assert rewards.first_error == (f"PythonReward 'bad' on prompt {excerpt} and completion "
+                                   f"{excerpt}: {what}")
+
+
+def test_first_errors_are_kept_once_when_threads_score_at_once(caplog):
+    def boom(prompt, completion, fields):
+        raise KeyError(completion)
+
+    rewards = RewardSet([PythonReward("boom", boom), PythonReward("ok", exact)],
+                        decode=DECODE, host_fields=host_fields)
+    inputs = jax.device_get(INPUTS)
+    with caplog.at_level(logging.ERROR, logger="jaxrl.rewards"):
+        threads = [threading.Thread(target=rewards.score_host, args=(inputs,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert list(rewards.errors) == ["boom"] and "KeyError" in rewards.first_error
+    assert len([r for r in caplog.records if r.name == "jaxrl.rewards"]) == 1
+
+
+def test_jax_values_outside_bounds_or_non_finite_become_zero_and_count(caplog):
+    values = jnp.array([0.5, 1.0, 1.5, -0.1, math.nan, math.inf, 0.0, 0.25], jnp.float32)
+    rewards = RewardSet([JaxReward("wild", lambda inputs: values, weight=2.0),
+                         JaxReward("signed", lambda inputs: values - 1.0, bounds=(-1.5, 0.5))])
+    total, metrics = jax.jit(rewards.score)(INPUTS)
+    eager_total, _ = rewards.score(INPUTS)
+    np.testing.assert_array_equal(total, eager_total)
+    wild = np.array([0.5, 1.0, 0, 0, 0, 0, 0.0, 0.25])  # 1.5, -0.1, nan, inf: errors
+    signed = np.array([-0.5, 0.0, 0.5, -1.1, 0, 0, -1.0, -0.75])  # nan, inf: errors
+    np.testing.assert_allclose(total, 2.0 * wild + signed, rtol=1e-6)
+    np.testing.assert_allclose(metrics["reward/wild"], wild.mean(), rtol=1e-6)
+    assert float(metrics["reward/errors/wild"]) == 4 and float(metrics["reward/errors/signed"]) == 2
+    assert float(metrics["reward/errors"]) == 6
+    # The host learns of them from the step's fetched metrics.
+    assert rewards.first_error is None
+    with caplog.at_level(logging.ERROR, logger="jaxrl.rewards"):
+        rewards.observe(7, jax.device_get(metrics))
+        rewards.observe(8, jax.device_get(metrics))
+    assert rewards.errors == {
+        "wild": "JaxReward 'wild' returned values outside [0, 1] or non-finite on 4 samples "
+                "of step 7",
+        "signed": "JaxReward 'signed' returned values outside [-1.5, 0.5] or non-finite on 2 "
+                  "samples of step 7"}
+    assert rewards.first_error == rewards.errors["wild"]
+    assert len([r for r in caplog.records if r.name == "jaxrl.rewards"]) == 2
 
 
 def test_host_fields_are_looked_up_by_rows():
@@ -182,7 +284,7 @@ def test_host_fields_are_looked_up_by_rows():
 
     rows = np.array([107, 100, 103, 103, 101, 102, 106, 105], np.int32)
     inputs = INPUTS.replace(rows_B=jnp.asarray(rows))
-    rewards = RewardSet([PythonReward("row", row_reward)], decode=DECODE,
+    rewards = RewardSet([PythonReward("row", row_reward, bounds=(0, 200))], decode=DECODE,
                         host_fields=host_fields)
     total, _ = jax.jit(rewards.score)(inputs)
     np.testing.assert_array_equal(total, rows.astype(np.float32))
@@ -237,6 +339,13 @@ def test_jax_reward_of_the_wrong_shape_names_the_reward():
     (lambda: PythonReward("a", "not a function"), "fn must be callable"),
     (lambda: RewardSet([PythonReward("exact", exact)]), r"\['exact'\] need a decode"),
     (lambda: RewardSet(["exact"]), "got 'exact'"),
+    (lambda: JaxReward("a", digits_reward, bounds=(1, 0)), r"'a': bounds must be .*got \(1, 0\)"),
+    (lambda: JaxReward("a", digits_reward, bounds=(0.5, 0.5)), r"low < high, got \(0.5, 0.5\)"),
+    (lambda: PythonReward("a", exact, bounds=(0, math.inf)), r"got \(0, inf\)"),
+    (lambda: PythonReward("a", exact, bounds=(math.nan, 1)), r"got \(nan, 1\)"),
+    (lambda: PythonReward("a", exact, bounds=(0,)), r"got \(0,\)"),
+    (lambda: PythonReward("a", exact, bounds=(0, "1")), r"got \(0, '1'\)"),
+    (lambda: PythonReward("a", exact, bounds=1.0), "got 1.0"),
 ])
 def test_validation_errors_name_the_bad_value(make, message):
     with pytest.raises(ValueError, match=message):
@@ -251,3 +360,16 @@ def test_solved_is_the_highest_total_a_sample_can_earn():
     assert rewards.max_total == 1.5
     np.testing.assert_array_equal(rewards.solved(np.array([1.5, 1.0, 0.5, 1.4999999])),
                                   [True, False, False, True])
+
+
+def test_max_total_takes_each_reward_at_the_best_end_of_its_bounds():
+    def unused(inputs):
+        return None
+
+    rewards = RewardSet([JaxReward("score", unused, weight=1.0, bounds=(0, 2)),
+                         JaxReward("penalty", unused, weight=-0.5, bounds=[-1, 1]),  # -1: +0.5
+                         PythonReward("offset", exact, weight=0.5, bounds=(1, 3)),  # 3: +1.5
+                         JaxReward("off", unused, weight=0.0, bounds=(-5, 5))], decode=DECODE)
+    assert rewards.rewards[1].bounds == (-1.0, 1.0)
+    assert rewards.max_total == 4.0
+    np.testing.assert_array_equal(rewards.solved(np.array([4.0, 3.5])), [True, False])
