@@ -20,8 +20,9 @@ looked up on the Hub. `subset` (a dataset config such as "main") is for names an
 directories; a file or a saved dataset has none.
 
 Errors name the value: a source that is neither a path nor a name that loads (listing the
-three kinds and the loader's reason), a split that is not there (listing the splits there
-are), a split with no rows, and, through `require_columns`, a missing column.
+three kinds and the loader's reason), a text file that is not UTF-8 (its line and byte), a
+split that is not there (listing the splits there are), a split with no rows, and, through
+`require_columns`, a missing column.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ SOURCE_KINDS = (f"a data file ({'/'.join(FILE_FORMATS)}), a directory (written b
                 f"save_to_disk, or of data files), or a Hugging Face dataset name such as "
                 f"'openai/gsm8k' (from the Hub, or from the local cache when offline)")
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes
+_TEXT_FORMATS = ("json", "csv")  # read as UTF-8 text (the others are binary)
 
 
 def describe(source: str | Path, subset: str | None = None) -> str:
@@ -104,11 +106,27 @@ def _load_file(path: Path) -> datasets.Dataset:
                          f"expected one of {', '.join(FILE_FORMATS)}")
     if path.stat().st_size == 0:
         raise ValueError(f"prompt dataset {str(path)!r} has no rows (the file is empty)")
+    if fmt in _TEXT_FORMATS:
+        _check_utf8(path)
     try:
         return datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as e:  # the loader fails on row-less or malformed files in several ways
         raise ValueError(f"could not read rows from {str(path)!r} as {fmt} (a file with no rows "
                          f"fails here too): {type(e).__name__}: {e}") from e
+
+
+def _check_utf8(path: Path) -> None:
+    """Raises naming the line (a JSONL or CSV row) and byte of the first bytes of `path` that
+    are not UTF-8: the loaders would fail later, naming neither."""
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"prompt file {str(path)!r} is not UTF-8 text: line "
+                                 f"{line_number}, byte {e.start + 1} "
+                                 f"({line[e.start:e.start + 4]!r}): {e.reason}; save it as "
+                                 f"UTF-8") from None
 
 
 def _load_dir(path: Path, load: Callable[[], datasets.Dataset | datasets.DatasetDict],

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from jaxrl.models.hf_io import CheckpointError
+
 # What transformers writes as tokenizer_class for a tokenizer built from a `tokenizers` object.
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -22,6 +24,10 @@ _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The HF tokenizer saved in a model directory."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} "
+                                f"{'is a file' if path.exists() else 'does not exist'}; expected "
+                                f"a folder with config.json, *.safetensors and tokenizer files")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(
             f"no tokenizer in {str(path)!r}: expected tokenizer.json or tokenizer_config.json "
@@ -30,11 +36,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     # qwen2 config), which re-builds a generic tokenizer differently (it drops the spaces of a
     # character tokenizer): a tokenizer saved as the generic class loads as that class.
     config_file = path / "tokenizer_config.json"
-    if config_file.is_file():
-        saved_class = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
-        if saved_class in _GENERIC_CLASSES:
-            return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        if config_file.is_file():
+            saved = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
+            if saved in _GENERIC_CLASSES:
+                return PreTrainedTokenizerFast.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+        # A corrupted tokenizer.json raises the tokenizers library's Exception (a ValueError
+        # subclass on current versions); a missing vocab file an OSError.
+        raise CheckpointError(f"the tokenizer in {str(path)!r} cannot be loaded: "
+                         f"{type(e).__name__}: {str(e)[:300]}") from None
 
 
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:

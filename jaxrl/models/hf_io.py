@@ -44,7 +44,8 @@ _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the architecture its config.json describes."""
+    """A model directory whose files cannot be read (truncated, corrupted) or whose tensors
+    do not match the architecture its config.json describes."""
 
 
 def from_pretrained(
@@ -199,8 +200,13 @@ class _Checkpoint:
     def __init__(self, path: Path, stack: ExitStack):
         index = path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            self.files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                self.files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index (JSON with a "
+                                      f"weight_map of tensor -> file): {type(e).__name__}: "
+                                      f"{e}") from None
         elif (path / SINGLE_FILE).is_file():
             self.files = [SINGLE_FILE]
         else:
@@ -214,7 +220,10 @@ class _Checkpoint:
         for file in self.files:
             if not (path / file).is_file():
                 raise FileNotFoundError(f"{INDEX_FILE} lists {file!r}, which is missing in {str(path)!r}")
-            handle = stack.enter_context(safe_open(path / file, framework="numpy"))
+            try:
+                handle = stack.enter_context(safe_open(path / file, framework="numpy"))
+            except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+                raise _unreadable(path / file, e) from None
             self.handles[file] = handle
             for key in handle.keys():
                 self.file_of.setdefault(key, file)
@@ -231,7 +240,18 @@ class _Checkpoint:
                 f"implies shape {expected}")
 
     def read(self, name: str, index: hf_names.Index) -> np.ndarray:
-        return self.handles[self.file_of[name]].get_slice(name)[index]
+        file = self.file_of[name]
+        try:
+            return self.handles[file].get_slice(name)[index]
+        except Exception as e:
+            raise _unreadable(self.path / file, e, name) from None
+
+
+def _unreadable(file: Path, e: Exception, tensor: str | None = None) -> CheckpointError:
+    what = f" (reading tensor {tensor!r})" if tensor else ""
+    return CheckpointError(f"{file} cannot be read as safetensors{what}: {type(e).__name__}: "
+                           f"{str(e)[:300]}; the file is probably truncated or corrupted "
+                           f"(an interrupted download or copy): fetch or save it again")
 
 
 def _load(checkpoint: _Checkpoint, name: hf_names.ParamName, shape: tuple[int, ...],

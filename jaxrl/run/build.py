@@ -26,6 +26,7 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -39,6 +40,7 @@ from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from jaxrl.distributed import broadcast, is_main, sync
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.perf import device_memory, format_bytes
 from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.placement import Placed, Placement
 from jaxrl.run.run_dir import INIT_MODEL_DIR
@@ -119,7 +121,10 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
             _init_model(cfg, task.tokenizer(), model_path, mesh, layout)
             console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to "
                           f"{model_path}")
-    tokenizer = load_tokenizer(model_path)
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.path: {e}") from None
     model = from_pretrained(model_path, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
@@ -202,9 +207,29 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
         qk_norm=init.family == "qwen3", bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, param_dtype=dtype,
         compute_dtype=cfg.model.compute_dtype or dtype)
+    _check_init_fits(cfg, config, mesh)
     model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
                            layout.train_rules)
     return _save_hf(model, tokenizer, path)
+
+
+def _check_init_fits(cfg: ExperimentConfig, config: ModelConfig, mesh: Mesh) -> None:
+    """Refuses a `model.init` whose parameters and Adam moments (3 copies) cannot fit the
+    devices' memory even spread evenly, before any is made: XLA aborts the process on arrays
+    that large instead of raising, and making them layer by layer could take hours. (What the
+    step needs, against perf.memory_limit_gib too, is the compiled step's check.)"""
+    try:
+        limit, source = device_memory(mesh.local_devices[0])
+    except ValueError:
+        return  # unknown memory: the compiled step's check decides later
+    need = 3 * config.num_params() * jnp.dtype(config.param_dtype).itemsize
+    if need > limit * mesh.size:
+        raise ConfigError(
+            f"model.init makes a policy of {config.num_params():,} parameters "
+            f"(hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
+            f"num_layers={config.num_layers}): with Adam's two moments that is "
+            f"{format_bytes(need)}, more than the {format_bytes(limit * mesh.size)} of all "
+            f"{mesh.size} devices ({source}); choose a smaller model.init")
 
 
 def _phase_times(cfg: ExperimentConfig, mesh: Mesh) -> bool:

@@ -22,15 +22,18 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from rich.console import Console
 
 from jaxrl.perf import (
+    MemoryFitError,
     MemoryReport,
     Peak,
     check_fit,
     device_memory,
+    format_bytes,
     format_flops,
     peak_flops,
     program_memory,
@@ -79,6 +82,15 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
     `refresh_peak` measures a CPU's matmul rate again instead of reading the cache."""
     cfg = run.cfg
     device = run.mesh.local_devices[0]  # this process's (a multi-process mesh spans others)
+    if cfg.perf.memory_limit_gib is not None:
+        limit, source = int(cfg.perf.memory_limit_gib * GIB), "perf.memory_limit_gib"
+    else:
+        try:
+            limit, source = device_memory(device)
+        except ValueError as e:
+            limit, source = 0, str(e)
+    if limit > 0:
+        _check_kv_cache(run, limit, source)
     start = time.perf_counter()
     with console.status("compiling the step program..."):
         compiled = run.step.compile(state, *args, run.ref_params)
@@ -90,13 +102,6 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         # not one of its arguments.
         programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + _device_bytes(
             run.ref_params)) if m.name == "generate" else m for m in programs]
-    if cfg.perf.memory_limit_gib is not None:
-        limit, source = int(cfg.perf.memory_limit_gib * GIB), "perf.memory_limit_gib"
-    else:
-        try:
-            limit, source = device_memory(device)
-        except ValueError as e:
-            limit, source = 0, str(e)
     if programs and limit > 0:
         memory = check_fit(programs, limit, source, memory_suggestions(run))
         console.print(f"[bold]memory[/]: {memory.describe()}")
@@ -125,6 +130,28 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         console.print(f"[yellow]peak[/]: unknown, no MFU/HFU: {e}")
     return Preflight(memory, accounting, peak, run.mesh.size, device.device_kind, compile_s,
                      count_s)
+
+
+def _check_kv_cache(run: Run, limit: int, source: str) -> None:
+    """Refuses, before compiling, a rollout whose KV cache alone cannot fit: per device at
+    least  layers * 2 * rows * kv_heads * head_dim * (prompt + new tokens) * bytes / devices.
+    (XLA itself aborts the process on shapes whose element count overflows, which a
+    max_new_tokens of 10^9 reaches, so the compiled program's analysis comes too late.)"""
+    cfg, config = run.cfg, run.model_config
+    tokens = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    itemsize = jnp.dtype(config.compute_dtype).itemsize
+    per_token = config.num_layers * 2 * run.rows * config.num_kv_heads * config.head_dim * itemsize
+    kv_bytes = per_token * tokens // run.mesh.size
+    if kv_bytes > limit:
+        fit = limit * run.mesh.size // per_token - cfg.data.max_prompt_len
+        raise MemoryFitError(
+            f"the rollout's KV cache alone needs {format_bytes(kv_bytes)} per device "
+            f"({run.rows} rows x {tokens:,} tokens = data.max_prompt_len "
+            f"{cfg.data.max_prompt_len} + rollout.max_new_tokens {cfg.rollout.max_new_tokens:,}, "
+            f"over {run.mesh.size} devices), more than the {format_bytes(limit)} available "
+            f"({source}); rollout.max_new_tokens must be well under {max(fit, 0):,} (where the "
+            f"cache alone fills the memory), or data.batch_size / rollout.num_generations "
+            f"smaller", MemoryReport((), limit, source))
 
 
 def _print_flops(accounting: StepAccounting, max_new_tokens: int, console: Console) -> None:

@@ -52,12 +52,25 @@ def test_decode_drops_masked_and_special_tokens(tokenizer):
 
 
 def test_bad_input_is_named(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match="model directory .*missing' does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no tokenizer in"):
         load_tokenizer(tmp_path / "empty")
     with pytest.raises(ValueError, match="no prompts"):
         encode_prompts(tokenizer, [])
     with pytest.raises(ValueError, match="encodes to no tokens"):
         encode_prompts(tokenizer, [""], chat_template=False)
+
+
+def test_a_corrupted_tokenizer_file_is_named(tmp_path, tokenizer):
+    from jaxrl.models.hf_io import CheckpointError
+
+    tokenizer.save_pretrained(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
+    with pytest.raises(CheckpointError, match=f"the tokenizer in {str(tmp_path)!r} cannot be "
+                                              f"loaded"):
+        load_tokenizer(tmp_path)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
