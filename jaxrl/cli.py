@@ -1,12 +1,22 @@
 """The `jaxrl` command: `jaxrl COMMAND [CONFIG.yaml] [dotted.key=value ...]`.
 
-Thin by design: parse, load the typed config, call the library. A config error (unknown key,
-wrong type, bad choice) prints the key and exits with status 2.
+Thin by design: parse, load the typed config, call the library. What the user sees when
+something goes wrong is decided here, once for every command:
+
+    exit 2    bad input: a config key, model or data file, run directory, checkpoint; one
+              message naming the thing and what was expected
+    exit 1    a fault: training stopped (non-finite updates, failing rewards), disk full, a
+              crash of jaxrl or of user code (reward, environment)
+    exit 130  Ctrl-C (train: after the step in flight and a checkpoint; a second one at once)
+
+No traceback is printed unless `--debug` or JAXRL_DEBUG=1 asks for it (then it comes before
+the same one-line message).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -27,6 +37,8 @@ from jaxrl.sharding.layout import LayoutError  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C'd command
+DEBUG_ENV = "JAXRL_DEBUG"
 
 
 def _join(cfg, console: Console, *, preemption: bool = False) -> None:
@@ -82,8 +94,9 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     from jaxrl.commands.train import run_train
 
     path, cfg = _experiment(args, console, preemption=True)
-    _emit(run_train(cfg, console, path))
-    return 0
+    summary = run_train(cfg, console, path)
+    _emit(summary)
+    return EXIT_INTERRUPTED if summary.get("stopped_by") == "SIGINT" else 0
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -149,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("config", nargs="?", help="experiment YAML (optional for check)")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+        p.add_argument("--debug", action="store_true",
+                       help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
         if name in OPTIONS:
             OPTIONS[name](p)
     return parser
@@ -170,19 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     # Logs and CI capture stderr: do not fold the layout table to 80 columns there.
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    args.debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         status = _run(args, console)
-    except BaseException as e:
+    except BaseException:
         if _several_processes():
             traceback.print_exc()
-            from jaxrl.distributed import is_lost_peer
-
-            if is_lost_peer(e):
-                _ErrorConsole(console).print(
-                    f"[bold red]error[/]: lost contact with another process of this run: a "
-                    f"collective between the processes failed ({type(e).__name__}: "
-                    f"{escape(str(e).splitlines()[0][:300])}); another process has probably "
-                    f"died: see its output")
             _exit_now(EXIT_TRAINING_FAILED)
         raise
     if status and _several_processes():
@@ -207,29 +215,60 @@ def _exit_now(status: int) -> None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    """Runs the command; a known failure prints one line and returns its exit status."""
+    """Runs the command; a failure prints one line (module docstring) and returns its exit
+    status."""
     errors = _ErrorConsole(console)
     try:
         return COMMANDS[args.command][0](args, console)
-    except ConfigError as e:
-        errors.print(f"[bold red]config error[/]: {e}")
-        return EXIT_CONFIG_ERROR
-    except (FileNotFoundError, LayoutError, UnsupportedModelError, CheckpointError,
-            MemoryFitError) as e:
-        errors.print(f"[bold red]error[/]: {e}")
-        return EXIT_CONFIG_ERROR
-    except RuntimeError as e:
-        # Imported here: the training loop and orbax are heavy, and most commands need neither.
-        from jaxrl.run.checkpoint import RestoreError
-        from jaxrl.run.loop import TrainingStopped
+    except BaseException as e:
+        status, text = _describe(e)
+        if status is None:
+            raise  # SystemExit and the like: not a failure of the command
+        if args.debug:
+            traceback.print_exc()
+        errors.print(text)
+        return status
 
-        if isinstance(e, RestoreError):
-            errors.print(f"[bold red]error[/]: {e}")
-            return EXIT_CONFIG_ERROR
-        if isinstance(e, TrainingStopped):
-            errors.print(f"[bold red]training stopped[/]: {e}")
-            return EXIT_TRAINING_FAILED
-        raise
+
+def _describe(e: BaseException) -> tuple[int | None, str]:
+    """(exit status, console message) of a command's failure; (None, "") for an exception
+    that is not one (SystemExit)."""
+    # Imported here: the training loop and orbax are heavy, and most commands need neither.
+    from jaxrl.distributed import is_lost_peer
+    from jaxrl.run.checkpoint import RestoreError
+    from jaxrl.run.loop import TrainingStopped
+
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "[bold yellow]interrupted[/] (Ctrl-C)"
+    if not isinstance(e, Exception):
+        return None, ""
+    message = escape(str(e))
+    if isinstance(e, ConfigError):
+        return EXIT_CONFIG_ERROR, f"[bold red]config error[/]: {message}"
+    if isinstance(e, FileNotFoundError | LayoutError | UnsupportedModelError | CheckpointError
+                  | MemoryFitError | RestoreError):
+        return EXIT_CONFIG_ERROR, f"[bold red]error[/]: {message}"
+    if isinstance(e, TrainingStopped):
+        return EXIT_TRAINING_FAILED, f"[bold red]training stopped[/]: {message}"
+    if isinstance(e, PermissionError):
+        return EXIT_CONFIG_ERROR, (f"[bold red]error[/]: permission denied: "
+                                   f"{escape(str(e.filename))} cannot be written or read "
+                                   f"({escape(e.strerror or str(e))})")
+    if is_lost_peer(e):
+        return EXIT_TRAINING_FAILED, (
+            f"[bold red]error[/]: lost contact with another process of this run: a collective "
+            f"between the processes failed ({type(e).__name__}: "
+            f"{escape(str(e).splitlines()[0][:300])}); another process has probably died: see "
+            f"its output")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return EXIT_TRAINING_FAILED, (f"[bold red]error[/]: the disk is full: writing "
+                                      f"{escape(str(e.filename or '?'))} failed "
+                                      f"({escape(e.strerror or str(e))}); free space and run "
+                                      f"the same command again (a run resumes from its last "
+                                      f"checkpoint)")
+    return EXIT_TRAINING_FAILED, (f"[bold red]error[/]: {type(e).__name__}: "
+                                  f"{escape(str(e).strip()[:2000])} (rerun with --debug or "
+                                  f"{DEBUG_ENV}=1 for the traceback)")
 
 
 class _ErrorConsole:
@@ -247,7 +286,7 @@ class _ErrorConsole:
             prefix = f"process {jax.process_index()}/{jax.process_count()}: "
         quiet, self.console.quiet = self.console.quiet, False
         try:
-            self.console.print(prefix + text)
+            self.console.print(prefix + text, soft_wrap=True)  # one line, for grep and logs
         finally:
             self.console.quiet = quiet
 

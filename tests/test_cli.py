@@ -58,3 +58,72 @@ def test_broken_checkpoint_exits_2_naming_the_tensor(tmp_path, capsys):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert main(["check", f"model.path={tmp_path}"]) == EXIT_CONFIG_ERROR
     assert "model.norm.weight" in capsys.readouterr().err
+
+
+def _failing(monkeypatch, error: BaseException) -> None:
+    """Makes `jaxrl check` raise `error` (as a bug, a Ctrl-C or a full disk would)."""
+    import jaxrl.cli as cli
+
+    def run(args, console):
+        raise error
+
+    monkeypatch.setitem(cli.COMMANDS, "check", (run, "fails"))
+
+
+@pytest.mark.parametrize("error, status, words", [
+    (RuntimeError("boom in user code"), 1,
+     ["error: RuntimeError: boom in user code", "--debug or JAXRL_DEBUG=1"]),
+    (KeyboardInterrupt(), 130, ["interrupted (Ctrl-C)"]),
+    (OSError(28, "No space left on device", "/runs/x/metrics.jsonl"), 1,
+     ["the disk is full", "/runs/x/metrics.jsonl", "resumes from its last checkpoint"]),
+    (PermissionError(13, "Permission denied", "/runs/x"), 2,
+     ["permission denied: /runs/x"]),
+])
+def test_every_failure_is_one_line_and_an_exit_status(monkeypatch, capsys, error, status, words):
+    _failing(monkeypatch, error)
+    monkeypatch.delenv("JAXRL_DEBUG", raising=False)
+    assert main(["check"]) == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_debug_shows_the_traceback(monkeypatch, capsys):
+    _failing(monkeypatch, ValueError("deep inside"))
+    assert main(["check", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ValueError: deep inside" in err
+    monkeypatch.setenv("JAXRL_DEBUG", "1")
+    assert main(["check"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, words", [
+    ("- a\n- b\n", ["must hold a mapping of keys", "got a YAML list"]),
+    ("train:\n  max_steps: [\n", ["is not valid YAML at line 3, column 1"]),
+])
+def test_a_broken_config_file_exits_2_without_a_traceback(tmp_path, content, words):
+    path = tmp_path / "exp.yaml"
+    path.write_text(content)
+    result = subprocess.run([sys.executable, "-m", "jaxrl.cli", "train", str(path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == EXIT_CONFIG_ERROR, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"config file {str(path)!r}" in result.stderr
+    for word in words:
+        assert word in result.stderr, (word, result.stderr)
+
+
+def test_a_truncated_safetensors_file_exits_2_naming_it(tmp_path, capsys):
+    from flax import nnx
+
+    from jaxrl.models import Transformer, save_pretrained
+    from jaxrl.models.config import tiny_config
+
+    save_pretrained(Transformer(tiny_config("llama"), rngs=nnx.Rngs(0)), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # an interrupted download
+    assert main(["check", f"model.path={tmp_path}"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert str(weights) in err and "truncated or corrupted" in err, err
