@@ -34,7 +34,14 @@ from rich.table import Table
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.distributed import is_main
-from jaxrl.perf import format_bytes, format_flops, memory_bandwidth, utilization
+from jaxrl.perf import (
+    IMPLAUSIBLE,
+    format_bytes,
+    format_flops,
+    memory_bandwidth,
+    plausible,
+    utilization,
+)
 from jaxrl.run.build import Run
 from jaxrl.run.metrics_log import MetricsLog
 from jaxrl.run.preflight import Preflight
@@ -52,6 +59,7 @@ BENCH_KEYS = (
     "model_flops_train", "decode_steps", "decode_tokens_per_s", "decode_bound_tokens_per_s",
     "peak_flops_per_device", "peak_source", "peak_memory_bytes", "measured_peak_memory_bytes",
     "device_memory_bytes", "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
+    "utilization_note",
 )
 
 
@@ -152,7 +160,14 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
         "compile_s": pre.compile_s, "count_flops_s": pre.count_s,
         "flops_unknown": (acc.model.unknown() + acc.hardware.unknown()) if acc else None,
         "profile_dir": str(profile_dir) if profile_dir else None,
+        "utilization_note": None,
     }
+    impossible = [k for k in ("mfu", "hfu", "generate_mfu", "train_mfu")
+                  if result[k] is not None and plausible(result[k]) is None]
+    if impossible:
+        result["utilization_note"] = (f"{', '.join(f'{k} {result[k]:.3f}' for k in impossible)}: "
+                                      f"{IMPLAUSIBLE}")
+        result.update({k: None for k in impossible})
     return result
 
 

@@ -14,7 +14,7 @@ from jaxrl.perf.memory import (
     format_bytes,
     program_memory,
 )
-from jaxrl.perf.mfu import format_flops, utilization
+from jaxrl.perf.mfu import IMPLAUSIBLE, format_flops, plausible, utilization
 from jaxrl.perf.peak import (
     Peak,
     default_cache_path,
@@ -24,7 +24,8 @@ from jaxrl.perf.peak import (
 )
 
 __all__ = [
-    "MemoryFitError", "MemoryReport", "Peak", "ProgramMemory", "check_fit",
+    "IMPLAUSIBLE", "MemoryFitError", "MemoryReport", "Peak", "ProgramMemory", "check_fit",
     "default_cache_path", "device_memory", "format_bytes", "format_flops",
-    "measure_matmul_flops", "memory_bandwidth", "peak_flops", "program_memory", "utilization",
+    "measure_matmul_flops", "memory_bandwidth", "peak_flops", "plausible", "program_memory",
+    "utilization",
 ]

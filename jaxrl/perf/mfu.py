@@ -6,6 +6,10 @@ With *model* FLOPs (XLA's cost analysis of the programs compiled without remater
 every loop multiplied by its trip count) this is the MFU; with *hardware* FLOPs (the same
 with remat as configured, so recomputed activations count) it is the HFU. HFU >= MFU, and
 only MFU compares fairly across remat settings and libraries.
+
+A utilization above 1 is impossible: it means the peak is wrong (a CPU's matmul rate measured
+while the machine was busy, or a wrong perf.peak_tflops). Such a value is never reported as
+a number (`plausible`): summaries show null and say why (IMPLAUSIBLE).
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ def utilization(flops_per_step: float, step_s: float, num_devices: int,
         raise ValueError(f"peak_flops_per_device must be > 0 FLOP/s, got "
                          f"{peak_flops_per_device}")
     return flops_per_step / (step_s * num_devices * peak_flops_per_device)
+
+
+IMPLAUSIBLE = ("above 100%, so the peak it is measured against is too low (a CPU peak measured "
+               "while the machine was busy, or perf.peak_tflops); set perf.peak_tflops, or "
+               "measure the CPU again with `jaxrl bench` on an idle machine")
+
+
+def plausible(fraction: float | None) -> float | None:
+    """`fraction` when it can be a utilization (<= 1), else None (module docstring)."""
+    return fraction if fraction is not None and fraction <= 1 else None
 
 
 def format_flops(flops: float | None) -> str:

@@ -3,6 +3,9 @@
 Medians leave out step 0, which also pays first-run costs (allocation, caches). With
 `train.target_reward` set, the summary says when the moving average of reward/mean over
 TARGET_WINDOW steps first reached it (its step and the seconds since the first dispatch).
+`reward_errors`, the failed reward calls of the run (reward/errors summed), is there only when
+some call failed. A median MFU or HFU above 1 is shown as null with a `*_note` saying why
+(`jaxrl.perf.mfu`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxrl.perf import IMPLAUSIBLE, plausible
 from jaxrl.run.metrics_log import moving_average
 
 if TYPE_CHECKING:
@@ -26,6 +30,7 @@ def run_summary(started: Started, records: list[dict[str, float]], train_s: floa
     rewards_N = np.array([r["reward/mean"] for r in records])
     later = records[1:] or records
     window = max(1, len(records) // 20)
+    reward_errors = int(sum(r.get("reward/errors", 0) for r in records))
     return {
         "run_dir": str(run.run_dir),
         "steps": len(records),
@@ -36,9 +41,9 @@ def run_summary(started: Started, records: list[dict[str, float]], train_s: floa
         "tokens_per_s": float(np.median([r["perf/tokens_per_s"] for r in later])),
         **{f"{key}_median": float(np.median(values)) for key, values in (
             (key, [r[name] for r in later if name in r])
-            for key, name in (("mfu", "perf/mfu"), ("hfu", "perf/hfu"),
-                              ("generate_s", "time/generate_s"), ("train_s", "time/train_s")))
+            for key, name in (("generate_s", "time/generate_s"), ("train_s", "time/train_s")))
            if values},
+        **_utilization(later),
         "peak_memory_bytes": pre.memory.peak_bytes if pre.memory.programs else None,
         "device_memory_bytes": pre.memory.limit_bytes or None,
         "step_compilations": run.step.num_compilations(),
@@ -47,8 +52,22 @@ def run_summary(started: Started, records: list[dict[str, float]], train_s: floa
         "reward_last_window": window,
         "reward_best": float(rewards_N.max()),
         "prompts_dropped": run.batches.stats.num_dropped,
+        **({"reward_errors": reward_errors} if reward_errors else {}),
         **target_reached(run.cfg.train.target_reward, records),
     }
+
+
+def _utilization(records: list[dict[str, float]]) -> dict[str, Any]:
+    """mfu_median and hfu_median where counted; an impossible one (> 1) is None, with a note."""
+    out: dict[str, Any] = {}
+    for key in ("mfu", "hfu"):
+        values = [r[f"perf/{key}"] for r in records if f"perf/{key}" in r]
+        if values:
+            median = float(np.median(values))
+            out[f"{key}_median"] = plausible(median)
+            if out[f"{key}_median"] is None:
+                out[f"{key}_note"] = f"median {key.upper()} {median:.3f} is {IMPLAUSIBLE}"
+    return out
 
 
 def target_reached(target: float | None, records: list[dict[str, float]]) -> dict[str, Any]:

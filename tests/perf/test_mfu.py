@@ -36,3 +36,10 @@ def test_utilization_rejects_bad_values(args, message):
 ])
 def test_format_flops(flops, text):
     assert format_flops(flops) == text
+
+
+def test_an_impossible_utilization_is_not_a_number():
+    from jaxrl.perf.mfu import plausible
+
+    assert plausible(0.24) == 0.24 and plausible(1.0) == 1.0
+    assert plausible(1.011) is None and plausible(None) is None
