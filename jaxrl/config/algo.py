@@ -45,6 +45,10 @@ class AlgoSection:
     num_minibatches: int = 1  # optimizer updates per pass; must divide the rows
     microbatch_size: int | None = None  # rows per gradient accumulation step; None: minibatch
     mask_zero_std_groups: bool = False  # drop groups whose rewards are all equal from the loss
+    # The entropy bonus (loss.entropy_coef) falls linearly to 0 over entropy_decay_steps steps
+    # from step entropy_decay_start on (None: constant): explore early, then commit.
+    entropy_decay_start: int | None = None
+    entropy_decay_steps: int = 1
     mode: StepMode = "fused"
     logprob_chunk_size: int | None = None  # vocabulary columns per chunk; None: whole logits
     overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
@@ -56,18 +60,29 @@ class AlgoSection:
                 fail("algo", self, name, f"one of {typing.get_args(choices)}")
         if not isinstance(self.loss, PolicyLossConfig):
             fail("algo", self, "loss", "a PolicyLossConfig")
-        _require_int("algo", self, ("num_iterations", "num_minibatches"), optional=False)
-        _require_int("algo", self, ("microbatch_size", "logprob_chunk_size", "overlong_buffer"),
-                     optional=True)
+        _require_int("algo", self, ("num_iterations", "num_minibatches", "entropy_decay_steps"),
+                     optional=False)
+        _require_int("algo", self, ("microbatch_size", "logprob_chunk_size", "overlong_buffer",
+                                    "entropy_decay_start"), optional=True)
         require_at_least("algo", self, ("num_iterations", "num_minibatches", "microbatch_size",
-                                        "logprob_chunk_size", "overlong_buffer"))
+                                        "logprob_chunk_size", "overlong_buffer",
+                                        "entropy_decay_steps"))
+        require_at_least("algo", self, ("entropy_decay_start",), 0)
+        if self.entropy_decay_start is not None and not self.loss.entropy_coef > 0:
+            fail("algo", self, "entropy_decay_start",
+                 "None when algo.loss.entropy_coef is 0 (there is no bonus to decay)")
         if not isinstance(self.mask_zero_std_groups, bool):
             fail("algo", self, "mask_zero_std_groups", "a bool")
 
     @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates of one RL step: num_iterations x num_minibatches."""
+        return self.num_iterations * self.num_minibatches
+
+    @property
     def single_update(self) -> bool:
         """One optimizer update per step: the old policy is the one being updated."""
-        return self.num_iterations * self.num_minibatches == 1
+        return self.updates_per_step == 1
 
     def batch_split(self, rows: int) -> tuple[int, int]:
         """(rows per minibatch, microbatches per minibatch) for a batch of `rows`."""

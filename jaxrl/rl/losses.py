@@ -117,6 +117,7 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
                 max_completion_len: int | None = None,
                 num_tokens: jax.Array | None = None,
                 num_seqs: jax.Array | None = None,
+                entropy_coef: jax.Array | float | None = None,
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of the clipped surrogate objective; the equations are in the module doc.
 
@@ -129,6 +130,9 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     a valid token) over a whole batch of which this call sees one microbatch; None counts
     this call's own. With the whole batch's counts, the losses, metrics and gradients of the
     microbatches sum to those of the batch (gradient accumulation ≡ full batch).
+
+    entropy_coef: this update's coefficient of the bonus (a schedule's value, may be traced),
+    used only when cfg.entropy_coef > 0; None: cfg.entropy_coef.
     """
     if cfg.beta > 0 and ref_logp_BxT is None:
         raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
@@ -199,6 +203,7 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
         entropy_BxT = masked(entropy_BxT)
         metrics["entropy"] = jnp.sum(entropy_BxT) / num_tokens
         if cfg.entropy_coef > 0:
-            per_token_BxT = per_token_BxT - cfg.entropy_coef * entropy_BxT
+            coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+            per_token_BxT = per_token_BxT - coef * entropy_BxT
 
     return aggregate(per_token_BxT), metrics

@@ -173,12 +173,29 @@ def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: 
     return jax.lax.stop_gradient(_unsplit(parts))
 
 
+def entropy_coef_at(cfg: AlgoSection, update: jax.Array) -> jax.Array:
+    """The entropy bonus's coefficient at optimizer update `update` (counted from 0):
+
+        c(s) = entropy_coef · clip(1 - (s - entropy_decay_start) / entropy_decay_steps, 0, 1)
+
+    at RL step s = update // updates_per_step (the step itself unless an update was skipped);
+    c = entropy_coef throughout when entropy_decay_start is None."""
+    coef = jnp.float32(cfg.loss.entropy_coef)
+    if cfg.entropy_decay_start is None:
+        return coef
+    s = (update // cfg.updates_per_step).astype(jnp.float32)
+    left = 1.0 - (s - cfg.entropy_decay_start) / cfg.entropy_decay_steps
+    return coef * jnp.clip(left, 0.0, 1.0)
+
+
 def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
                     num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
+                    entropy_coef: jax.Array | None = None,
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
     counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus ref log-probs and the old
-    ones (without them, the step's only update: old = stop_gradient(new))."""
+    ones (without them, the step's only update: old = stop_gradient(new)); `entropy_coef`:
+    this update's (`entropy_coef_at`), None: algo.loss.entropy_coef."""
     logp_BxC, entropy_BxC = completion_log_probs(model, mb, temperature,
                                                  cfg.logprob_chunk_size, unroll=unroll)
     old_logp_BxC = mb.get("old_logp_BxC")
@@ -188,7 +205,7 @@ def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: 
         logp_BxC, old_logp_BxC, mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
         ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
         entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
-        num_tokens=num_tokens, num_seqs=num_seqs)
+        num_tokens=num_tokens, num_seqs=num_seqs, entropy_coef=entropy_coef)
 
 
 def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float, *,
@@ -197,8 +214,8 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place.
 
     Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
-    (and tis/weight_mean), grad_norm (global norm before clipping) and lr (when a schedule is
-    given); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
+    (and tis/weight_mean), grad_norm (global norm before clipping), lr (when a schedule is
+    given) and entropy_coef (when algo.entropy_decay_start is set); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
     is not finite is not applied.
     """
     rows = batch["loss_mask_BxC"].shape[0]
@@ -220,8 +237,9 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     if cfg.loss.tis_cap is None:
         del batch["sampler_logp_BxC"]
 
-    def loss_fn(model, mb, num_tokens, num_seqs):
-        return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature)
+    def loss_fn(model, mb, num_tokens, num_seqs, entropy_coef=None):
+        return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature,
+                               entropy_coef=entropy_coef)
 
     graphdef = nnx.graphdef(ts)
 
@@ -230,11 +248,12 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         counts_B = jnp.sum(mini["loss_mask_BxC"], axis=1)
         num_tokens, num_seqs = jnp.sum(counts_B), jnp.sum(counts_B > 0)
         params = nnx.state(ts.model, nnx.Param)
+        entropy_coef = entropy_coef_at(cfg, ts.step)
 
         def accumulate(carry, mb):
             model = nnx.merge(graphdef, state, copy=True).model
             (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
-                model, mb, num_tokens, num_seqs)
+                model, mb, num_tokens, num_seqs, entropy_coef)
             return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
         zero_metrics = jax.eval_shape(
@@ -248,6 +267,8 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         metrics["grad_norm"] = optax.tree.norm(grads)
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(ts.step), jnp.float32)
+        if cfg.entropy_decay_start is not None:
+            metrics["entropy_coef"] = entropy_coef
         ts.apply_gradients(grads)
         # A non-finite loss or gradient skips the update: every parameter, moment and count
         # keeps its value (an elementwise select, fused into the update by XLA).

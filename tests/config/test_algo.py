@@ -13,7 +13,12 @@ def test_config_is_validated_with_field_and_value():
                           (dict(mode="async"), "algo.mode.*'async'"),
                           (dict(scale_rewards="rows"), "algo.scale_rewards.*'rows'"),
                           (dict(logprob_chunk_size=0), "algo.logprob_chunk_size.*0"),
-                          (dict(overlong_buffer=-1), "algo.overlong_buffer.*-1")):
+                          (dict(overlong_buffer=-1), "algo.overlong_buffer.*-1"),
+                          (dict(entropy_decay_start=-1), "algo.entropy_decay_start.*-1"),
+                          (dict(entropy_decay_steps=0), "algo.entropy_decay_steps.*0"),
+                          (dict(entropy_decay_start=5),
+                           "algo.entropy_decay_start must be None when algo.loss.entropy_coef "
+                           "is 0.*got 5")):
         with pytest.raises(ValueError, match=match):
             AlgoSection(**kwargs)
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):

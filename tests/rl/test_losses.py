@@ -136,6 +136,11 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_entropy():
     loss, _ = policy_loss(LOGP, OLD, ADV, mask, bonus, entropy_BxT=entropy)
     np.testing.assert_allclose(metrics["entropy"], 2.0, rtol=1e-6)
     np.testing.assert_allclose(loss, base - 0.01 * 2.0, rtol=1e-6)
+    # A schedule's coefficient for this update (traced under jit) replaces the config's.
+    scheduled = jax.jit(lambda c: policy_loss(LOGP, OLD, ADV, mask, bonus, entropy_BxT=entropy,
+                                              entropy_coef=c)[0])
+    np.testing.assert_allclose(scheduled(0.004), base - 0.004 * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(scheduled(0.0), base, rtol=1e-6)
 
 
 def test_truncated_importance_sampling_weights_the_policy_term():

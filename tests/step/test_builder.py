@@ -247,3 +247,25 @@ def test_a_single_update_step_takes_its_old_log_probs_from_its_own_forward():
     assert own_metrics["clip_frac"] == separate_metrics["clip_frac"] == 0.0
     np.testing.assert_allclose(own_metrics["loss/policy"], separate_metrics["loss/policy"],
                                rtol=1e-5, atol=1e-7)
+
+
+def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
+    # entropy_coef 0.5, decaying over 2 steps from step 1: 0.5, 0.5, 0.25, then 0. With 2
+    # updates per step, the schedule reads the RL step from the update count.
+    def algo(coef, **decay):
+        return dataclasses.replace(BASE, num_minibatches=2, **decay,
+                                   loss=PolicyLossConfig(tis_cap=2.0, entropy_coef=coef))
+
+    params, count, history, *_ = _run(
+        algo(0.5, entropy_decay_start=1, entropy_decay_steps=2), steps=4)
+    assert count == 8
+    assert [float(m["entropy_coef"]) for m in history] == [0.5, 0.5, 0.25, 0.0]
+    # The same four steps, each built with its constant coefficient, give the same policy.
+    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
+                            _mesh("single"), load_layout("single").train_rules)
+    graphdef, state = nnx.split(ts)
+    for i, coef in enumerate((0.5, 0.5, 0.25, 0.0)):
+        step = build_step(algo(coef), graphdef,
+                          Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS, optim=OPTIM)
+        state, _ = step(state, *_inputs(i))
+    _assert_close(_params(nnx.merge(graphdef, state)), params[-1])
