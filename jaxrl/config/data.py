@@ -16,6 +16,7 @@
     format_weight      weight of the format reward (0: off)
     reward_fn          "module:attribute" of a PythonReward fn: custom's reward; for gsm8k /
                        math it replaces the correctness reward (the format reward stays)
+    reward_bounds      [low, high]: the values reward_fn may return; others count as errors
     num_digits, num_prompts   addition: operand digits, prompts drawn for training
     chat_template, max_prompt_len, batch_size   tokenizing and batching (prompts per step)
     curriculum         none | pass_rate | ordered: which prompts each step takes
@@ -41,7 +42,7 @@ SYNTHETIC_TASKS = ("addition",)  # make their own prompts and tokenizer
 MATH_TASKS = ("gsm8k", "math")  # an answer column, math-verify correctness, a format
 # Keys that only dataset tasks read: a synthetic task rejects them when they are set.
 _DATASET_KEYS = ("source", "subset", "split", "eval_source", "eval_split", "fields",
-                 "difficulty_column", "format", "format_weight", "reward_fn")
+                 "difficulty_column", "format", "format_weight", "reward_fn", "reward_bounds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,8 @@ class DataSection:
     format: AnswerFormat = "boxed"  # gsm8k / math: \boxed{} answer, or <think>/<answer> tags
     format_weight: float = 0.0  # weight of the format reward (0: off)
     reward_fn: str | None = None  # "module:attribute": custom's reward, else the correctness's
+    # The range of reward_fn's values; one outside it is a reward error (jaxrl.rl.rewards).
+    reward_bounds: list[float] = dataclasses.field(default_factory=lambda: [0.0, 1.0])
     num_digits: int = 2  # addition: operand digits
     num_prompts: int = 20_000  # synthetic tasks: prompts generated for training
     chat_template: bool = True  # render prompts with the tokenizer's template if it has one
@@ -82,6 +85,10 @@ class DataSection:
             fail("data", self, "format", f"one of {', '.join(ANSWER_FORMATS)}")
         if not (math.isfinite(self.format_weight) and self.format_weight >= 0):
             fail("data", self, "format_weight", "a finite number >= 0 (0: off)")
+        bounds = list(self.reward_bounds)
+        if not (len(bounds) == 2 and all(math.isfinite(x) for x in bounds)
+                and bounds[0] < bounds[1]):
+            fail("data", self, "reward_bounds", "two finite numbers [low, high] with low < high")
         if self.task in SYNTHETIC_TASKS:
             self._check_synthetic()
         else:

@@ -145,6 +145,9 @@ def text(prompt, completion, fields):
 
 def five(prompt, completion, fields):
     return 5.0
+
+def penalty(prompt, completion, fields):
+    return -0.5 if len(completion) % 2 else 0.5
 """
 
 
@@ -202,3 +205,20 @@ def test_a_run_allowed_to_fail_its_rewards_goes_on_and_counts_them(custom_task, 
                  "train.reward_error_frac=1.0", "train.reward_error_steps=1"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["reward_errors"] == 3 * 16
+
+
+def test_a_reward_with_declared_bounds_may_return_values_beyond_0_1(custom_task, tmp_path,
+                                                                     capsys, monkeypatch):
+    overrides, module_dir = custom_task
+    monkeypatch.syspath_prepend(str(module_dir))
+    run = ["train", QUICKSTART, *overrides, "train.max_steps=2",
+           "data.reward_fn=jaxrl_test_failing_rewards:penalty"]
+    assert main([*run, f"train.run_dir={tmp_path}", "data.reward_bounds=[-1,1]"]) == 0
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(r["reward/errors"] == 0 for r in records)
+    assert any(r["reward/penalty"] != 0.5 for r in records)  # its -0.5s counted as values
+    capsys.readouterr()
+    assert main([*run, f"train.run_dir={tmp_path / 'bad'}",
+                 "data.reward_bounds=[1,-1]"]) == EXIT_CONFIG_ERROR
+    assert "data.reward_bounds must be two finite numbers [low, high] with low < high" in \
+        capsys.readouterr().err

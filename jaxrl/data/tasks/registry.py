@@ -64,7 +64,7 @@ def _dataset_rewards(config: DataSection) -> list[PythonReward]:
     if config.reward_fn:
         name, fn = custom.load_reward_fn(config.reward_fn)
         try:
-            correctness = PythonReward(name, fn)
+            correctness = PythonReward(name, fn, bounds=tuple(config.reward_bounds))
         except ValueError as e:
             raise ValueError(f"data.reward_fn={config.reward_fn!r}: {e}") from None
     else:
