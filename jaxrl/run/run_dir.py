@@ -332,6 +332,9 @@ def _check_same_experiment(cfg: ExperimentConfig, run_dir: Path) -> None:
                           f"it was not written by jaxrl train")
     saved = _flatten(OmegaConf.to_container(drop_removed(read_yaml(path, what="the run's saved"))))
     new = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+    # A key the saved config lacks was added by a later jaxrl: the run had its default.
+    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(ExperimentConfig)))
+    saved = {k: saved.get(k, defaults.get(k)) for k in set(saved) | set(defaults)}
     changed = [k for k in sorted(set(saved) | set(new))
                if saved.get(k) != new.get(k) and not any(
                    k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE_KEYS)]

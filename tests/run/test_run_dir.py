@@ -177,3 +177,29 @@ def test_eval_and_export_refuse_a_folder_jaxrl_did_not_make(tmp_path, capsys):
     assert main(["export", str(folder), "--out", str(tmp_path / "out")]) == EXIT_CONFIG_ERROR
     assert "is not a jaxrl run directory" in capsys.readouterr().err
     assert _snapshot(folder) == before and not (tmp_path / "out").exists()
+
+
+def test_resuming_needs_the_same_experiment_and_keys_added_since_take_their_defaults(tmp_path):
+    from omegaconf import OmegaConf
+
+    from jaxrl.config import to_yaml
+
+    cfg = _cfg(tmp_path)
+    saved = OmegaConf.create(to_yaml(cfg))
+    (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml(saved))
+    run_dirs._check_same_experiment(load_config(
+        ExperimentConfig, QUICKSTART, [f"train.run_dir={tmp_path}", "train.max_steps=9"]),
+        tmp_path)
+    with pytest.raises(RunDirError, match=r"another experiment \(optim.lr: 0.0005 -> 0.001\)"):
+        run_dirs._check_same_experiment(load_config(
+            ExperimentConfig, QUICKSTART, [f"train.run_dir={tmp_path}", "optim.lr=1e-3"]),
+            tmp_path)
+    # A run saved by a jaxrl without these keys had their defaults: it resumes, unless the new
+    # config sets them otherwise.
+    del saved.data["reward_bounds"], saved.algo["entropy_decay_steps"]
+    (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml(saved))
+    run_dirs._check_same_experiment(cfg, tmp_path)
+    with pytest.raises(RunDirError, match=r"algo.entropy_decay_steps: 1 -> 5"):
+        run_dirs._check_same_experiment(load_config(
+            ExperimentConfig, QUICKSTART, [f"train.run_dir={tmp_path}",
+                                           "algo.entropy_decay_steps=5"]), tmp_path)
