@@ -142,11 +142,13 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     evaluator: Evaluator | None = None
     rewards = run.step.rewards
     failing = 0  # steps in a row that failed their rewards
+    attempted = -1  # the last step whose record was begun
 
     def record(step: int, out: Any) -> None:
-        nonlocal failing
+        nonlocal failing, attempted
+        attempted = step
         line = recorder.record(step, out, *drawn[step])
-        del drawn[step]  # only once recorded: a failed fetch is tried again in `finally`
+        del drawn[step]
         bar.add(line)
         rewards.observe(step, line)
         fraction, name = max((line.get(f"reward/errors/{r.name}", 0.0) / run.rows, r.name)
@@ -199,7 +201,9 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
                     stopped = done
                     break
         finally:
-            # Step N-1's metrics are computed even when step N failed or was interrupted.
-            if pending is not None and not (log.records and log.records[-1]["step"] == pending[0]):
+            # Step N-1's metrics are recorded even when step N failed or was interrupted; not
+            # again when its own record failed (a full disk: the curriculum has seen it, and
+            # the error in flight is the one to report).
+            if pending is not None and attempted != pending[0]:
                 record(*pending)
     return state, time.perf_counter() - recorder.start, stopped

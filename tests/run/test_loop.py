@@ -24,7 +24,8 @@ from tests.test_shipped_configs import ROOT
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 # The quickstart shrunk to a few seconds on the 8-device test mesh.
 SMALL = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
-         "rollout.num_generations=4", "algo.num_minibatches=2", "train.max_steps=3",
+         "rollout.num_generations=4", "algo.num_minibatches=2", "algo.num_iterations=1",
+         "train.max_steps=3",
          "eval.num_prompts=20", "eval.batch_size=8", "log.print_every=1",
          "train.target_reward=0.0", "perf.phase_times=true"]
 # Not compared between runs: timings, and FLOPs (runs that need none skip counting them).
