@@ -8,8 +8,10 @@ budget, `eval` which held-out prompts, how many samples each and pass@k.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from jaxrl.config.load import fail, require_at_least
+from jaxrl.rollout.continuous import EngineConfig
 from jaxrl.rollout.sampling import SamplingParams
 
 
@@ -44,13 +46,29 @@ class RolloutSection(SamplingSection):
     # No stop tokens at all, EOS included: every training completion has exactly
     # max_new_tokens tokens (benchmarks; vLLM's ignore_eos). Evaluation still stops at EOS.
     ignore_eos: bool = False
+    # The engine (`jaxrl.rollout.continuous`): decode slots over a paged KV cache. continuous:
+    # a slot whose row ends takes the next pending row; static: batches of max_slots rows,
+    # each waiting for its longest row. max_slots null: every row of the step at once.
+    batching: Literal["continuous", "static"] = "continuous"
+    max_slots: int | None = None
+    page_size: int = 16  # tokens per KV page
+    kv_pages: int | None = None  # row pages in the pool; null: every slot's worst case
+    # auto: the TPU kernel (Pallas ragged_paged_attention) on TPU when it takes the shapes,
+    # else the XLA path (blocks of pages up to the longest live row)
+    attention: Literal["auto", "xla", "pallas"] = "auto"
 
     def __post_init__(self):
-        require_at_least("rollout", self, ("num_generations", "max_new_tokens"))
+        require_at_least("rollout", self, ("num_generations", "max_new_tokens", "page_size"))
+        require_at_least("rollout", self, ("max_slots", "kv_pages"), 1, " or null")
         if self.ignore_eos and self.stop_token_ids:
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")
         super().__post_init__()
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(max_slots=self.max_slots, page_size=self.page_size,
+                            batching=self.batching, attention=self.attention,
+                            row_pages=self.kv_pages)
 
 
 @dataclasses.dataclass(frozen=True)

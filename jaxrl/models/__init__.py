@@ -1,5 +1,6 @@
 """Flax NNX decoder (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) and HF safetensors in/out."""
 
+from jaxrl.models.attention import PagedKV
 from jaxrl.models.config import (
     SUPPORTED_MODEL_TYPES,
     ModelConfig,
@@ -10,7 +11,7 @@ from jaxrl.models.hf_io import CheckpointError, from_pretrained, save_pretrained
 from jaxrl.models.transformer import KVCache, Transformer, default_positions
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "CheckpointError", "KVCache", "ModelConfig", "RopeScaling",
+    "SUPPORTED_MODEL_TYPES", "CheckpointError", "KVCache", "ModelConfig", "PagedKV", "RopeScaling",
     "Transformer", "UnsupportedModelError", "default_positions", "from_pretrained",
     "save_pretrained",
 ]

@@ -8,12 +8,15 @@ sampler's cached path (write this call's keys/values into a preallocated cache a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
+from jaxrl.models.paged_attention import ragged_decode_attention, write_token_kv
 from jaxrl.sharding import constrain
 
 
@@ -41,6 +44,25 @@ def _mask(valid_BxS, query_slots_T, key_slots_S, sliding_window):
         allowed_TxS &= q - k < sliding_window
     mask_BxTxS = allowed_TxS[None] & valid_BxS.astype(bool)[:, None, :]
     return mask_BxTxS | (q == k)[None]
+
+
+class PagedKV(NamedTuple):
+    """A decode step's view of the paged KV pool (`jaxrl.models.paged_attention`).
+
+    `kv_pages` [layers, pages, page_size, 2*kv_heads, head_dim] (keys and values interleaved
+    on the head axis); slot s writes its new token at (`write_page_S[s]`, `write_offset_S[s]`)
+    (a page out of range writes nothing) and attends over its first `length_S[s]` tokens,
+    found through `page_table_SxM`. `layer` is filled in per layer.
+    """
+
+    kv_pages: jax.Array
+    page_table_SxM: jax.Array
+    length_S: jax.Array
+    write_page_S: jax.Array
+    write_offset_S: jax.Array
+    impl: str = "xla"
+    pages_per_block: int = 8
+    layer: jax.Array | int = 0
 
 
 class Attention(nnx.Module):
@@ -79,7 +101,8 @@ class Attention(nnx.Module):
         mask_BxTxS: jax.Array,
         cache: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Output, and with `cache=(k_LxBxSxKxH, v_LxBxSxKxH, layer, end)` the updated k, v."""
+        """Output, and with `cache=(k_LxBxSxKxH, v_LxBxSxKxH, layer, end)` the updated k, v;
+        with `cache=PagedKV` (one token per row) the updated page pool."""
         cfg = self.config
         q_BxTxNxH = self._project(x_BxTxE, self.q_kernel, "q_bias")
         k_BxTxKxH = self._project(x_BxTxE, self.k_kernel, "k_bias")
@@ -90,6 +113,8 @@ class Attention(nnx.Module):
         q_BxTxNxH = constrain(apply_rope(q_BxTxNxH, positions_BxT, inv_freq_H2),
                               ("batch", "seq", "act_heads", "head_dim"))
         k_BxTxKxH = apply_rope(k_BxTxKxH, positions_BxT, inv_freq_H2)
+        if isinstance(cache, PagedKV):
+            return self._paged(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cache)
         new_cache = None
         if cache is not None:
             # Write into the stacked cache of all layers so XLA updates one buffer in place.
@@ -109,8 +134,25 @@ class Attention(nnx.Module):
             scale=cfg.head_dim ** -0.5,
             implementation=cfg.attention_impl,
         )
+        return self._output(out_BxTxNxH), new_cache
+
+    def _output(self, out_BxTxNxH):
+        cfg = self.config
         out_BxTxE = jnp.einsum("btnh,nhe->bte", out_BxTxNxH,
                                self.o_kernel[...].astype(cfg.compute_dtype))
         if cfg.o_bias:
             out_BxTxE = out_BxTxE + self.o_bias[...].astype(cfg.compute_dtype)
-        return out_BxTxE, new_cache
+        return out_BxTxE
+
+    def _paged(self, q_Sx1xNxH, k_Sx1xKxH, v_Sx1xKxH, paged: PagedKV):
+        """One token per slot: write its k/v into its page, attend over its live pages."""
+        if q_Sx1xNxH.shape[1] != 1:
+            raise ValueError(f"paged attention decodes one token per row, got "
+                             f"{q_Sx1xNxH.shape[1]}")
+        kv_pages = write_token_kv(paged.kv_pages, paged.layer, k_Sx1xKxH[:, 0], v_Sx1xKxH[:, 0],
+                                  paged.write_page_S, paged.write_offset_S)
+        out_SxNxH = ragged_decode_attention(
+            q_Sx1xNxH[:, 0], kv_pages, paged.layer, paged.page_table_SxM, paged.length_S,
+            scale=self.config.head_dim ** -0.5, sliding_window=self.config.sliding_window,
+            pages_per_block=paged.pages_per_block, impl=paged.impl)
+        return self._output(out_SxNxH[:, None].astype(self.config.compute_dtype)), kv_pages

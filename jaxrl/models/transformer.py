@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import Attention, cache_causal_mask, causal_mask
+from jaxrl.models.attention import Attention, PagedKV, cache_causal_mask, causal_mask
 from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
 from jaxrl.models.layers import MLP, RMSNorm, normal, param
 from jaxrl.sharding import constrain
@@ -190,7 +190,20 @@ class Transformer(nnx.Module):
             x_BxTxE = x_BxTxE[:, -1:]
         return self._logits(x_BxTxE), new_cache
 
+    def decode_paged(self, token_S: jax.Array, position_S: jax.Array, paged: PagedKV,
+                     ) -> tuple[jax.Array, jax.Array]:
+        """One token per slot through a paged KV pool: (logits_SxV, the updated pool).
+
+        Each slot's token, at `position_S`, is written into its page and attends over the
+        slot's first `paged.length_S` tokens (itself included); see `PagedKV`.
+        """
+        x_Sx1xE = self.embed_tokens(token_S[:, None])
+        x_Sx1xE, kv_pages = self._layers(x_Sx1xE, position_S[:, None], None, paged)
+        return self._logits(x_Sx1xE)[:, 0], kv_pages
+
     def _layers(self, x_BxTxE, positions_BxT, mask_BxTxS, cache):
+        if isinstance(cache, PagedKV):
+            return self._paged_layers(x_BxTxE, positions_BxT, cache)
         inv_freq_H2 = rope_inverse_frequencies(self.config)
         remat, scan = self.config.remat, self.config.scan_layers
         if not scan and cache is None:
@@ -224,6 +237,24 @@ class Transformer(nnx.Module):
         x_BxTxE, k, v = run_cached(self.layers, jnp.arange(self.config.num_layers),
                                    (x_BxTxE, cache[0], cache[1]))
         return x_BxTxE, (k, v)
+
+    def _paged_layers(self, x_BxTxE, positions_BxT, paged: PagedKV):
+        inv_freq_H2 = rope_inverse_frequencies(self.config)
+        if not self.config.scan_layers:
+            kv_pages = paged.kv_pages
+            for i, block in enumerate(self.layers):
+                x_BxTxE, kv_pages = block(x_BxTxE, positions_BxT, inv_freq_H2, None,
+                                          paged._replace(kv_pages=kv_pages, layer=i))
+            return x_BxTxE, kv_pages
+
+        @nnx.scan(in_axes=(0, 0, nnx.Carry), out_axes=nnx.Carry)
+        def run_paged(block, layer, carry):
+            x, kv_pages = carry
+            return block(x, positions_BxT, inv_freq_H2, None,
+                         paged._replace(kv_pages=kv_pages, layer=layer))
+
+        return run_paged(self.layers, jnp.arange(self.config.num_layers),
+                         (x_BxTxE, paged.kv_pages))
 
     def _logits(self, x_BxTxE: jax.Array) -> jax.Array:
         x_BxTxE = self.final_norm(x_BxTxE)

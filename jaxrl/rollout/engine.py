@@ -2,6 +2,10 @@
 
     engine.generate(params, prompts, key) -> Rollout
 
+With `SamplerConfig.engine` set the rows go through the paged, continuous-batching engine
+(`jaxrl.rollout.continuous`, what training, evaluation and `jaxrl generate` use); without
+it, through the static dense sampler (`jaxrl.rollout.sampler`, the reference in tests).
+
 `params` is the policy's `nnx.State` in whatever layout the trainer keeps it. jaxrl's engine
 compiles the sampler once per prompt shape; on a mesh it reshards the weights to the
 rollout rule set (weights on `tensor` only) *inside* the compiled program — XLA all-gathers
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.rollout.continuous import sample_continuous
 from jaxrl.rollout.sampler import Rollout, SamplerConfig, sample
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 
@@ -45,22 +50,33 @@ class Sampler:
         self.graphdef, self.config, self.mesh, self.rules = graphdef, config, mesh, rules
         self._generate = jax.jit(self.generate_traced)
 
-    def generate(self, params: nnx.State, prompts: Prompts, key: jax.Array) -> Rollout:
-        return self._generate(params, prompts, key)
+    def generate(self, params: nnx.State, prompts: Prompts, key: jax.Array,
+                 limits_B: jax.Array | None = None) -> Rollout:
+        """`limits_B` (int32, one per row): each row's own cap on new tokens (the engine
+        only; default `max_new_tokens` for every row)."""
+        return self._generate(params, prompts, key, limits_B)
 
-    def generate_traced(self, params: nnx.State, prompts: Prompts, key: jax.Array) -> Rollout:
+    def generate_traced(self, params: nnx.State, prompts: Prompts, key: jax.Array,
+                        limits_B: jax.Array | None = None) -> Rollout:
         """The pure body of `generate`, to compose into a larger jitted program (the RL step)."""
+        if limits_B is not None and self.config.engine is None:
+            raise ValueError("per-row limits need the engine (SamplerConfig.engine)")
         # Cast before resharding: the model casts every weight to the compute dtype at use
         # anyway, so gathering (and holding) the rollout copy in it halves the traffic of
         # fp32 weights with bf16 compute and changes no result.
         dtype = nnx.merge(self.graphdef, params).config.compute_dtype
         params = jax.tree.map(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        def run(model, ids_BxP, mask_BxP, key, config):
+            if config.engine is None:
+                return sample(model, ids_BxP, mask_BxP, key, config)
+            return sample_continuous(model, ids_BxP, mask_BxP, key, config, limits_B)
+
         if self.mesh is None:
-            return sample(nnx.merge(self.graphdef, params), *prompts, key, self.config)
+            return run(nnx.merge(self.graphdef, params), *prompts, key, self.config)
         params = jax.lax.with_sharding_constraint(
             params, state_shardings(params, self.mesh, self.rules))
         rows = self.rules.sharding(("batch", "seq"), prompts.ids_BxP.shape, self.mesh)
         prompts = Prompts(*(jax.lax.with_sharding_constraint(x, rows) for x in prompts))
         with use_rules(self.mesh, self.rules):
-            return sample(nnx.merge(self.graphdef, params), *prompts, key, self.config)
+            return run(nnx.merge(self.graphdef, params), *prompts, key, self.config)

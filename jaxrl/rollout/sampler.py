@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,9 @@ class SamplerConfig:
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    # The paged, continuous-batching engine (`jaxrl.rollout.continuous.EngineConfig`);
+    # None: this module's static dense sampler (the reference the engine is tested against).
+    engine: Any = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

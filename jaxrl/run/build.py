@@ -168,7 +168,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
             tokenizer, model_config, cfg.rollout.stop_token_ids),
-        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params())
+        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params(),
+        engine=cfg.rollout.engine_config())
     sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=mesh,
                       rules=layout.rollout_rules)
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None

@@ -1,0 +1,128 @@
+"""Ragged decode attention over a paged KV cache: each slot reads only its own live pages.
+
+The pool of one layer is `kv_pages_PxTx2KxH`: P pages of T = page_size tokens, keys and
+values interleaved on the head axis (key head k at 2k, value head k at 2k + 1: the layout of
+the TPU kernel `jax.experimental.pallas.ops.tpu.ragged_paged_attention`, so both paths read
+the same buffer). Slot s holds tokens 0..n_s - 1 of its row, token i in page
+`page_table[s, i // T]` at offset i % T. One decode query per slot:
+
+    out_s = softmax(q_s K_s^T * scale + mask) V_s          K_s, V_s: its n_s cached tokens
+
+The XLA path runs everywhere: a `lax.while_loop` over blocks of `pages_per_block` pages with
+an online softmax (running max m, sum l, accumulator a, all float32),
+
+    m' = max(m, max_j x_j)    l' = l e^(m - m') + sum_j e^(x_j - m')    a' = a e^(m - m') + sum_j e^(x_j - m') v_j
+
+for as many blocks as the longest live slot needs, so a step reads the pages in use, not the
+pool. Masked scores are -inf; a fully masked block changes nothing (exp(-inf) = 0), so a
+slot's output does not depend on the other slots' lengths. A slot of length 0 gets zeros.
+`pallas` calls the TPU kernel (TPU only).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+AttentionImpl = Literal["xla", "pallas"]
+
+
+def write_token_kv(kv_pages_LxPxTx2KxH: jax.Array, layer: jax.Array, k_SxKxH: jax.Array,
+                   v_SxKxH: jax.Array, page_S: jax.Array, offset_S: jax.Array) -> jax.Array:
+    """The pool with slot s's new key/value written at (layer, page_S[s], offset_S[s]).
+
+    A slot whose page is out of range (-1, or >= P) writes nothing (`mode="drop"`): that is
+    how dead slots skip the write. One scatter into the stacked pool, so a donated pool is
+    updated in place.
+    """
+    s, k, h = k_SxKxH.shape
+    kv_Sx2KxH = jnp.stack([k_SxKxH, v_SxKxH], axis=2).reshape(s, 2 * k, h)
+    num_pages = kv_pages_LxPxTx2KxH.shape[1]
+    page_S = jnp.where((page_S >= 0) & (page_S < num_pages), page_S, num_pages)
+    return kv_pages_LxPxTx2KxH.at[layer, page_S, offset_S].set(
+        kv_Sx2KxH.astype(kv_pages_LxPxTx2KxH.dtype), mode="drop")
+
+
+def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
+                            layer: jax.Array, page_table_SxM: jax.Array, length_S: jax.Array,
+                            *, scale: float, sliding_window: int | None = None,
+                            pages_per_block: int = 8, impl: AttentionImpl = "xla",
+                            ) -> jax.Array:
+    """out_SxNxH: each slot's query over its first length_S[s] cached tokens (see above)."""
+    if impl == "pallas":
+        return _pallas(q_SxNxH, kv_pages_LxPxTx2KxH[layer], page_table_SxM, length_S,
+                       scale=scale, sliding_window=sliding_window,
+                       pages_per_block=pages_per_block)
+    if impl != "xla":
+        raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
+    s, n, h = q_SxNxH.shape
+    _, _, page_size, k2, _ = kv_pages_LxPxTx2KxH.shape
+    k = k2 // 2
+    g = n // k
+    max_pages = page_table_SxM.shape[1]
+    block = min(pages_per_block, max_pages)
+    # Pad the table to whole blocks; padded entries are never read unmasked.
+    num_blocks_total = -(-max_pages // block)
+    table_SxM = jnp.pad(page_table_SxM, ((0, 0), (0, num_blocks_total * block - max_pages)))
+    table_SxM = jnp.clip(table_SxM, 0, kv_pages_LxPxTx2KxH.shape[1] - 1)
+    tokens_per_block = block * page_size
+    num_blocks = (jnp.max(length_S) + tokens_per_block - 1) // tokens_per_block
+    q_SxKxGxH = q_SxNxH.reshape(s, k, g, h).astype(jnp.float32) * scale
+    query_pos_S = length_S - 1
+
+    def body(state):
+        i, m_SxKxG, l_SxKxG, acc_SxKxGxH = state
+        pages_SxB = jax.lax.dynamic_slice_in_dim(table_SxM, i * block, block, axis=1)
+        kv_SxBxTx2KxH = kv_pages_LxPxTx2KxH[layer, pages_SxB]
+        kv_SxJx2KxH = kv_SxBxTx2KxH.reshape(s, tokens_per_block, k2, h).astype(jnp.float32)
+        k_SxJxKxH, v_SxJxKxH = kv_SxJx2KxH[:, :, 0::2], kv_SxJx2KxH[:, :, 1::2]
+        x_SxKxGxJ = jnp.einsum("skgh,sjkh->skgj", q_SxKxGxH, k_SxJxKxH)
+        key_pos_J = i * tokens_per_block + jnp.arange(tokens_per_block)
+        ok_SxJ = key_pos_J[None, :] < length_S[:, None]
+        if sliding_window is not None:
+            ok_SxJ &= query_pos_S[:, None] - key_pos_J[None, :] < sliding_window
+        x_SxKxGxJ = jnp.where(ok_SxJ[:, None, None, :], x_SxKxGxJ, -jnp.inf)
+        m_new = jnp.maximum(m_SxKxG, jnp.max(x_SxKxGxJ, axis=-1))
+        # Rows with nothing seen yet keep m = -inf; shift by 0 there to avoid inf - inf.
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p_SxKxGxJ = jnp.exp(x_SxKxGxJ - shift[..., None])
+        correction = jnp.exp(m_SxKxG - shift)
+        l_new = l_SxKxG * correction + jnp.sum(p_SxKxGxJ, axis=-1)
+        acc_new = acc_SxKxGxH * correction[..., None] + jnp.einsum(
+            "skgj,sjkh->skgh", p_SxKxGxJ, v_SxJxKxH)
+        return i + 1, m_new, l_new, acc_new
+
+    init = (jnp.int32(0), jnp.full((s, k, g), -jnp.inf, jnp.float32),
+            jnp.zeros((s, k, g), jnp.float32), jnp.zeros((s, k, g, h), jnp.float32))
+    _, _, l_SxKxG, acc_SxKxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks, body, init)
+    out_SxKxGxH = acc_SxKxGxH / jnp.where(l_SxKxG > 0, l_SxKxG, 1.0)[..., None]
+    return out_SxKxGxH.reshape(s, n, h).astype(q_SxNxH.dtype)
+
+
+def _pallas(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM, length_S, *, scale, sliding_window,
+            pages_per_block):
+    """The TPU kernel on one query per slot (cu_q_lens 0, 1, ..., S)."""
+    if jax.default_backend() != "tpu":
+        raise ValueError(f"rollout.attention=pallas runs the TPU kernel "
+                         f"ragged_paged_attention; this backend is {jax.default_backend()!r} "
+                         f"(use 'xla' or 'auto')")
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    return ragged_paged_attention(*pallas_arguments(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM,
+                                                    length_S),
+                                  sm_scale=scale, sliding_window=sliding_window,
+                                  num_kv_pages_per_block=min(pages_per_block,
+                                                             page_table_SxM.shape[1]),
+                                  num_queries_per_block=1)
+
+
+def pallas_arguments(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM, length_S):
+    """The positional arguments of the TPU kernel (and of its reference) for decode queries."""
+    s = q_SxNxH.shape[0]
+    cu_q_lens = jnp.arange(s + 1, dtype=jnp.int32)
+    num_pages = kv_pages_PxTx2KxH.shape[0]
+    table = jnp.clip(page_table_SxM, 0, num_pages - 1).astype(jnp.int32)
+    return (q_SxNxH, kv_pages_PxTx2KxH, length_S.astype(jnp.int32), table, cu_q_lens,
+            jnp.array([s], jnp.int32))

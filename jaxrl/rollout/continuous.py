@@ -1,0 +1,333 @@
+"""The rollout engine: decode slots over a paged KV pool, refilled as rows finish.
+
+JetStream's Engine shape, pure JAX, every function traceable into one compiled program:
+
+    state          = init_decode_state(model, layout, ...)     empty slots, free pages
+    state, prefix  = prefill_group(model, state, prompts, ...)  prompts into their pages; the
+                                                               first token of each of the G
+                                                               samples of every prompt
+    state          = insert(state, prefix, slot_S, row_S)      rows start in slots
+    state, tokens  = generate(model, state, prefix, ...)        one token for every live slot
+
+`rollout(...)` runs them in a `lax.while_loop`: whenever slots are free it inserts the next
+pending rows (continuous batching; `static` waits until every slot is free, then inserts a
+whole batch), then decodes one token for every live slot, until every row has finished. A
+row is (prompt p, sample g) at index p * G + g; its token t is drawn with
+fold_in(key_r, t), key_r its own key, so a row gets the same tokens in any slot, with any
+number of slots and under either batching. A row ends at its first stop token (kept) or at
+its own limit (`limit_B`, per-request limits as servers have). Pages: `jaxrl.rollout.pages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxrl.models import KVCache, PagedKV, Transformer, default_positions
+from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, take
+from jaxrl.rollout.sampler import Rollout, SamplerConfig, prompt_keys, sample_rows
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.sharding import constrain
+
+Batching = Literal["continuous", "static"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and pages (the static part of one rollout call)."""
+
+    max_slots: int | None = None  # None: every row at once
+    page_size: int = 16
+    batching: Batching = "continuous"
+    attention: Literal["auto", "xla", "pallas"] = "auto"
+    pages_per_block: int = 8
+    row_pages: int | None = None  # None: every slot's worst case fits at once
+
+    def __post_init__(self):
+        if self.max_slots is not None and self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1 or None, got {self.max_slots}")
+        if self.attention not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got "
+                             f"{self.attention!r}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+
+
+@struct.dataclass
+class Prefix:
+    """What `prefill_group` leaves for `insert`: per prompt its length; per row its first
+    token (sampled from the prompt's last logits), that token's log-probs, and whether the
+    row already ended on it."""
+
+    prompt_len_P: jax.Array
+    first_token_B: jax.Array
+    first_logp_B: jax.Array
+    first_logp_raw_B: jax.Array
+    done_B: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    """The pool, the slots, and the rows' outputs ([B, C], filled as tokens are drawn)."""
+
+    kv_pages: jax.Array  # [layers, pages, page_size, 2 * kv_heads, head_dim]
+    free: FreePages
+    row_S: jax.Array  # the row a slot decodes (-1: free)
+    t_S: jax.Array  # tokens the row has drawn
+    token_S: jax.Array  # its last token (fed next)
+    page_table_SxM: jax.Array
+    tokens_BxC: jax.Array
+    mask_BxC: jax.Array
+    logp_BxC: jax.Array
+    logp_raw_BxC: jax.Array
+
+    @property
+    def live_S(self) -> jax.Array:
+        return self.row_S >= 0
+
+
+def init_decode_state(model: Transformer, layout: PoolLayout, num_slots: int, num_rows: int,
+                      max_new_tokens: int, pad_token_id: int) -> DecodeState:
+    """An empty pool and free slots for `num_rows` rows of up to `max_new_tokens` tokens."""
+    cfg = model.config
+    shape = (cfg.num_layers, layout.num_pages, layout.page_size, 2 * cfg.num_kv_heads,
+             cfg.head_dim)
+    b, c = num_rows, max_new_tokens
+    return DecodeState(
+        kv_pages=jnp.zeros(shape, cfg.compute_dtype), free=FreePages.full(layout),
+        row_S=jnp.full((num_slots,), -1, jnp.int32), t_S=jnp.zeros((num_slots,), jnp.int32),
+        token_S=jnp.zeros((num_slots,), jnp.int32),
+        page_table_SxM=jnp.full((num_slots, layout.table_width), -1, jnp.int32),
+        tokens_BxC=jnp.full((b, c), pad_token_id, jnp.int32), mask_BxC=jnp.zeros((b, c), bool),
+        logp_BxC=jnp.zeros((b, c), jnp.float32), logp_raw_BxC=jnp.zeros((b, c), jnp.float32))
+
+
+def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
+                  prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array, row_keys_B: jax.Array,
+                  limit_B: jax.Array, stop_ids: jax.Array, sampling: SamplingParams,
+                  ) -> tuple[DecodeState, Prefix]:
+    """Left-padded prompts through the model once; their real tokens' k/v into the prompt
+    pages; the first token of each of the G = B / P samples of every prompt (as JetStream's
+    `prefill_multisampling`)."""
+    num_prompts, prompt_len = prompt_ids_PxL.shape
+    g = row_keys_B.shape[0] // num_prompts
+    mask_PxL = prompt_mask_PxL.astype(bool)
+    cache = KVCache.init(model.config, num_prompts, prompt_len)
+    logits_Px1xV, cache = model.extend(prompt_ids_PxL, default_positions(mask_PxL), cache,
+                                       mask_PxL, last_only=True)
+    # Real token i of prompt p (left padding skipped) goes to page p * Mp + i // T, offset i % T.
+    n_P = jnp.sum(mask_PxL, axis=1, dtype=jnp.int32)
+    index_PxL = jnp.cumsum(mask_PxL, axis=1, dtype=jnp.int32) - 1
+    page_PxL = jnp.arange(num_prompts)[:, None] * layout.prompt_pages + index_PxL // layout.page_size
+    page_PxL = jnp.where(mask_PxL, page_PxL, layout.num_pages)  # padding: dropped
+    kv_LxPxLx2KxH = jnp.stack([cache.k, cache.v], axis=4).reshape(
+        *cache.k.shape[:3], -1, cache.k.shape[-1])
+    kv_pages = state.kv_pages.at[:, page_PxL, index_PxL % layout.page_size].set(
+        kv_LxPxLx2KxH.astype(state.kv_pages.dtype), mode="drop")
+    logits_BxV = jnp.repeat(logits_Px1xV[:, 0], g, axis=0)
+    keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_B, 0)
+    token_B, logp_B, logp_raw_B = sample_rows(keys_B, logits_BxV, sampling)
+    done_B = jnp.isin(token_B, stop_ids) | (limit_B <= 1)
+    state = state.replace(
+        kv_pages=kv_pages, tokens_BxC=state.tokens_BxC.at[:, 0].set(token_B),
+        mask_BxC=state.mask_BxC.at[:, 0].set(True), logp_BxC=state.logp_BxC.at[:, 0].set(logp_B),
+        logp_raw_BxC=state.logp_raw_BxC.at[:, 0].set(logp_raw_B))
+    return state, Prefix(n_P, token_B, logp_B, logp_raw_B, done_B)
+
+
+def insert(state: DecodeState, prefix: Prefix, layout: PoolLayout, slot_row_S: jax.Array,
+           limit_B: jax.Array, group_size: int) -> DecodeState:
+    """Starts row slot_row_S[s] in every slot s where it is >= 0 (the slot must be free and
+    the free stack must hold the rows' pages: `admit` decides both)."""
+    start_S = slot_row_S >= 0
+    row_S = jnp.maximum(slot_row_S, 0)
+    p_S = row_S // group_size
+    n_S = prefix.prompt_len_P[p_S]
+    t = layout.page_size
+    need_S = jnp.where(start_S, own_pages(n_S, limit_B[row_S], t), 0)
+    free, own_SxM = take(state.free, need_S, layout.table_width)
+    j_M = jnp.arange(layout.table_width)
+    full_S = n_S // t
+    shared_SxM = p_S[:, None] * layout.prompt_pages + j_M[None, :]
+    own_index_SxM = jnp.clip(j_M[None, :] - full_S[:, None], 0, layout.table_width - 1)
+    table_SxM = jnp.where(j_M[None, :] < full_S[:, None], shared_SxM,
+                          jnp.take_along_axis(own_SxM, own_index_SxM, axis=1))
+    table_SxM = jnp.where(j_M[None, :] < (full_S + need_S)[:, None], table_SxM, -1)
+    # The partial last prompt page, copied into the row's first own page (all layers).
+    copy_S = start_S & (n_S % t != 0) & (need_S > 0)
+    src_S = p_S * layout.prompt_pages + full_S
+    dst_S = jnp.where(copy_S, own_SxM[:, 0], layout.num_pages)
+    kv_pages = state.kv_pages.at[:, dst_S].set(state.kv_pages[:, src_S], mode="drop")
+    return state.replace(
+        kv_pages=kv_pages, free=free,
+        row_S=jnp.where(start_S, slot_row_S, state.row_S),
+        t_S=jnp.where(start_S, 1, state.t_S),
+        token_S=jnp.where(start_S, prefix.first_token_B[row_S], state.token_S),
+        page_table_SxM=jnp.where(start_S[:, None], table_SxM, state.page_table_SxM))
+
+
+def generate(model: Transformer, state: DecodeState, prefix: Prefix, layout: PoolLayout,
+             config: EngineConfig, row_keys_B: jax.Array, limit_B: jax.Array,
+             stop_ids: jax.Array, group_size: int, sampling: SamplingParams,
+             ) -> DecodeState:
+    """One token for every live slot; rows that end give their slot and pages back."""
+    live_S = state.live_S
+    row_S = jnp.maximum(state.row_S, 0)
+    n_S = prefix.prompt_len_P[row_S // group_size]
+    pos_S = n_S + state.t_S - 1  # position of the token fed now
+    t = layout.page_size
+    column_S = jnp.clip(pos_S // t, 0, layout.table_width - 1)  # free slots: anything
+    page_S = jnp.take_along_axis(state.page_table_SxM, column_S[:, None], axis=1)[:, 0]
+    paged = PagedKV(state.kv_pages, state.page_table_SxM, jnp.where(live_S, pos_S + 1, 0),
+                    jnp.where(live_S, page_S, -1), pos_S % t, impl=config.attention,
+                    pages_per_block=config.pages_per_block)
+    logits_SxV, kv_pages = model.decode_paged(state.token_S, pos_S, paged)
+    keys_S = jax.vmap(jax.random.fold_in)(row_keys_B[row_S], state.t_S)
+    token_S, logp_S, logp_raw_S = sample_rows(keys_S, logits_SxV, sampling)
+    b = state.tokens_BxC.shape[0]
+    out_row_S = jnp.where(live_S, row_S, b)  # free slots write nothing
+    col_S = state.t_S
+    t_S = state.t_S + 1
+    ended_S = live_S & (jnp.isin(token_S, stop_ids) | (t_S >= limit_B[row_S]))
+    own_SxM = jnp.where(
+        ended_S[:, None] & (jnp.arange(layout.table_width)[None, :] >= (n_S // t)[:, None]),
+        state.page_table_SxM, -1)
+    return state.replace(
+        kv_pages=kv_pages, free=give_back(state.free, own_SxM),
+        row_S=jnp.where(ended_S, -1, state.row_S), t_S=t_S, token_S=token_S,
+        page_table_SxM=jnp.where(ended_S[:, None], -1, state.page_table_SxM),
+        tokens_BxC=state.tokens_BxC.at[out_row_S, col_S].set(token_S, mode="drop"),
+        mask_BxC=state.mask_BxC.at[out_row_S, col_S].set(True, mode="drop"),
+        logp_BxC=state.logp_BxC.at[out_row_S, col_S].set(logp_S, mode="drop"),
+        logp_raw_BxC=state.logp_raw_BxC.at[out_row_S, col_S].set(logp_raw_S, mode="drop"))
+
+
+def admit(state: DecodeState, prefix: Prefix, layout: PoolLayout, queue_B: jax.Array,
+          num_queued: jax.Array, next_: jax.Array, limit_B: jax.Array, group_size: int,
+          batching: Batching) -> tuple[jax.Array, jax.Array]:
+    """(slot_row_S, next'): the next queued rows for the free slots, in queue order, as many
+    as there are free slots and free pages for (static batching: only when all are free)."""
+    num_slots = state.row_S.shape[0]
+    free_S = ~state.live_S
+    if batching == "static":
+        free_S &= ~jnp.any(state.live_S)
+    rank_S = jnp.cumsum(free_S) - 1  # the k-th free slot takes the k-th candidate
+    cand_K = jnp.clip(next_ + jnp.arange(num_slots), 0, queue_B.shape[0] - 1)
+    row_K = queue_B[cand_K]
+    need_K = own_pages(prefix.prompt_len_P[row_K // group_size], limit_B[row_K], layout.page_size)
+    ok_K = (next_ + jnp.arange(num_slots) < num_queued) & (
+        jnp.cumsum(need_K) <= state.free.count) & (jnp.arange(num_slots) < jnp.sum(free_S))
+    ok_K = jnp.cumprod(ok_K).astype(bool)  # a prefix: rows start in queue order
+    k = jnp.sum(ok_K, dtype=jnp.int32)
+    rank_S = jnp.clip(rank_S, 0, num_slots - 1)
+    slot_row_S = jnp.where(free_S & (rank_S < k), row_K[rank_S], -1)
+    return slot_row_S, next_ + k
+
+
+def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
+            row_keys_B: jax.Array, limit_B: jax.Array, max_new_tokens: int,
+            config: EngineConfig, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
+            sampling: SamplingParams) -> tuple[DecodeState, jax.Array]:
+    """Every row's completion (in the state's [B, C] outputs) and the decode steps run."""
+    num_prompts, prompt_len = prompt_ids_PxL.shape
+    b = row_keys_B.shape[0]
+    g = b // num_prompts
+    # At least 2 slots: with one row, XLA's dots take their matrix-vector path, which rounds
+    # differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers do
+    # not depend on the slot count, and a spare slot just stays free.
+    slots = max(2, b if config.max_slots is None else min(config.max_slots, b))
+    layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
+                             prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                             num_slots=slots, row_pages=config.row_pages)
+    stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
+    config = dataclasses.replace(config, attention=resolve_attention(
+        config.attention, model.config, layout, slots))
+    graphdef, weights = nnx.split(model)
+    state = init_decode_state(model, layout, slots, b, max_new_tokens, pad_token_id)
+    state, prefix = prefill_group(nnx.merge(graphdef, weights, copy=True), state, layout,
+                                  prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
+                                  stop_ids, sampling)
+    # Rows that ended on their first token never take a slot; the others queue in row order.
+    queue_B = jnp.argsort(prefix.done_B, stable=True).astype(jnp.int32)
+    num_queued = jnp.sum(~prefix.done_B, dtype=jnp.int32)
+
+    def cond(carry):
+        state, next_, _ = carry
+        return (next_ < num_queued) | jnp.any(state.live_S)
+
+    def body(carry):
+        state, next_, steps = carry
+        slot_row_S, next_ = admit(state, prefix, layout, queue_B, num_queued, next_, limit_B,
+                                  g, config.batching)
+        state = jax.lax.cond(jnp.any(slot_row_S >= 0),
+                             lambda st: insert(st, prefix, layout, slot_row_S, limit_B, g),
+                             lambda st: st, state)
+        state = generate(nnx.merge(graphdef, weights, copy=True), state, prefix, layout,
+                         config, row_keys_B, limit_B, stop_ids, g, sampling)
+        return state, next_, steps + 1
+
+    state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.int32(0)))
+    return state, steps
+
+
+def resolve_attention(attention: str, model_config, layout: PoolLayout, num_slots: int) -> str:
+    """`auto`: the TPU kernel on TPU when its static checks take these shapes, else XLA."""
+    if attention != "auto":
+        return attention
+    if jax.default_backend() != "tpu":
+        return "xla"
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import static_validate_inputs
+
+    from jaxrl.models.paged_attention import pallas_arguments
+
+    c = model_config
+    q = jax.ShapeDtypeStruct((num_slots, c.num_heads, c.head_dim), c.compute_dtype)
+    kv = jax.ShapeDtypeStruct((layout.num_pages, layout.page_size, 2 * c.num_kv_heads,
+                               c.head_dim), c.compute_dtype)
+    table = jax.ShapeDtypeStruct((num_slots, layout.table_width), jnp.int32)
+    try:
+        args = jax.eval_shape(pallas_arguments, q, kv, table,
+                              jax.ShapeDtypeStruct((num_slots,), jnp.int32))
+        static_validate_inputs(*args, sm_scale=c.head_dim ** -0.5,
+                               sliding_window=c.sliding_window)
+    except (ValueError, NotImplementedError):
+        return "xla"
+    return "pallas"
+
+
+def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
+                      key: jax.Array, config: SamplerConfig,
+                      limit_B: jax.Array | None = None) -> Rollout:
+    """`sampler.sample` on the engine: the same Rollout, row for row (pure; call under jit).
+
+    `limit_B` (int32 [B]) caps each row's new tokens (default: all `config.max_new_tokens`).
+    """
+    num_prompts = prompt_ids_PxL.shape[0]
+    n = config.num_generations
+    b = num_prompts * n
+    row_keys_B = jax.vmap(lambda k: jax.random.split(k, n))(
+        prompt_keys(key, num_prompts)).reshape(-1)
+    if limit_B is None:
+        limit_B = jnp.full((b,), config.max_new_tokens, jnp.int32)
+    limit_B = jnp.clip(limit_B.astype(jnp.int32), 1, config.max_new_tokens)
+    state, _ = rollout(model, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
+                       config.max_new_tokens, config.engine or EngineConfig(max_slots=b),
+                       stop_token_ids=config.stop_token_ids, pad_token_id=config.pad_token_id,
+                       sampling=config.sampling)
+    mask_BxC = state.mask_BxC
+    num_steps = jnp.max(jnp.sum(mask_BxC, axis=1, dtype=jnp.int32))
+
+    def repeat(x):
+        return jnp.repeat(x, n, axis=0)
+
+    tokens_BxC, mask_BxC, logp_BxC, logp_raw_BxC, ids_BxL, pmask_BxL = (
+        constrain(x, ("batch", "seq")) for x in (
+            state.tokens_BxC, mask_BxC, state.logp_BxC, state.logp_raw_BxC,
+            repeat(prompt_ids_PxL), repeat(prompt_mask_PxL.astype(bool))))
+    return Rollout(prompt_ids_BxP=ids_BxL, prompt_mask_BxP=pmask_BxL,
+                   completion_ids_BxC=tokens_BxC, completion_mask_BxC=mask_BxC,
+                   logp_BxC=logp_BxC, logp_raw_BxC=logp_raw_BxC, num_steps=num_steps)

@@ -1,0 +1,232 @@
+"""The paged, continuous-batching engine: row for row the reference sampler's rollout, under
+either batching and any slot count; per-row limits; pages given back and reused."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.rollout import Sampler, SamplerConfig, SamplingParams
+from jaxrl.rollout.continuous import EngineConfig, rollout
+from jaxrl.rollout.pages import PoolLayout, worst_row_pages
+from jaxrl.rollout.sampler import prompt_keys
+from tests.rollout.test_sampler import (
+    GROUP,
+    LLAMA,
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    greedy_rollout,
+    max_masked_diff,
+    policy,
+    prompts,
+    t07_rollout,
+    trainer_log_probs,
+)
+
+ROWS = len(PROMPT_LENGTHS) * GROUP
+
+
+@functools.cache
+def engine_sampler(temperature, slots, batching="continuous", page_size=4, row_pages=None,
+                   stop=(), max_new=NEW_TOKENS):
+    engine = EngineConfig(max_slots=slots, page_size=page_size, batching=batching,
+                          row_pages=row_pages, pages_per_block=2)
+    config = SamplerConfig(max_new, GROUP, stop_token_ids=stop,
+                           sampling=SamplingParams(temperature), engine=engine)
+    return Sampler(policy(*LLAMA)[0], config)
+
+
+def engine_rollout(temperature, slots, seed=0, **kw):
+    return engine_sampler(temperature, slots, **kw).generate(
+        policy(*LLAMA)[1], prompts(), jax.random.key(seed))
+
+
+def assert_same_rows(a, b, atol):
+    np.testing.assert_array_equal(a.completion_ids_BxC, b.completion_ids_BxC)
+    np.testing.assert_array_equal(a.completion_mask_BxC, b.completion_mask_BxC)
+    np.testing.assert_array_equal(a.prompt_ids_BxP, b.prompt_ids_BxP)
+    np.testing.assert_allclose(a.logp_BxC, b.logp_BxC, atol=atol, rtol=0)
+    np.testing.assert_allclose(a.logp_raw_BxC, b.logp_raw_BxC, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("slots", [ROWS, 3, 1])
+def test_engine_matches_the_reference_sampler(slots):
+    """Greedy and T=0.7: the tokens of the dense static sampler, log-probs to fp32 roundoff
+    (paged online softmax vs one softmax over the whole cache)."""
+    assert_same_rows(engine_rollout(0.0, slots), greedy_rollout(), atol=1e-5)
+    assert_same_rows(engine_rollout(0.7, slots), t07_rollout(0), atol=1e-5)
+
+
+def test_engine_log_probs_match_trainer_forward():
+    rollout_ = engine_rollout(0.7, 3)
+    logp, logp_raw = trainer_log_probs(rollout_, *LLAMA)
+    mask = np.asarray(rollout_.completion_mask_BxC)
+    assert max_masked_diff(rollout_.logp_BxC, logp, mask) <= 1e-5
+    assert max_masked_diff(rollout_.logp_raw_BxC, logp_raw, mask) <= 1e-5
+
+
+def _stop_ids_with_varied_lengths():
+    """Stop ids at which the T=0.7 rows end at several different lengths."""
+    tokens = np.asarray(t07_rollout(0).completion_ids_BxC)
+    for token in np.unique(tokens):
+        first = np.where((tokens == token).any(1), (tokens == token).argmax(1), NEW_TOKENS)
+        if len(np.unique(first)) >= 3 and (first < NEW_TOKENS - 1).sum() >= 3:
+            return (int(token),)
+    raise AssertionError("no token ends the rows at varied lengths")
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_static_and_continuous_batching_give_every_row_the_same_tokens(page_size):
+    """EOS at varied lengths, prompts of varied lengths: any slot count, either batching,
+    tokens bit-equal and log-probs within 1e-6."""
+    stop = _stop_ids_with_varied_lengths()
+    base = engine_rollout(0.7, ROWS, batching="static", page_size=page_size, stop=stop)
+    lengths = np.asarray(base.completion_mask_BxC).sum(1)
+    assert len(np.unique(lengths)) >= 3, lengths
+    for slots, batching in [(ROWS, "continuous"), (3, "continuous"), (3, "static"),
+                            (1, "continuous")]:
+        other = engine_rollout(0.7, slots, batching=batching, page_size=page_size, stop=stop)
+        assert_same_rows(other, base, atol=1e-6)
+
+
+def test_per_row_limits_truncate_each_row():
+    """Row r with limit l_r: the first l_r tokens of the unlimited row, then padding."""
+    graphdef, state = policy(*LLAMA)
+    limits = jnp.asarray([1, 8, 3, 5, 2, 8, 4, 6], jnp.int32)
+    config = SamplerConfig(NEW_TOKENS, GROUP, sampling=SamplingParams(0.7),
+                           engine=EngineConfig(max_slots=3, page_size=4, pages_per_block=2))
+
+    @jax.jit
+    def run(state, ids, mask, key, limits):
+        from jaxrl.rollout.continuous import sample_continuous
+        return sample_continuous(nnx.merge(graphdef, state), ids, mask, key, config, limits)
+
+    limited = run(state, *prompts(), jax.random.key(0), limits)
+    full = t07_rollout(0)
+    mask_BxC = np.arange(NEW_TOKENS)[None, :] < np.asarray(limits)[:, None]
+    np.testing.assert_array_equal(limited.completion_mask_BxC, mask_BxC)
+    np.testing.assert_array_equal(limited.completion_ids_BxC,
+                                  np.where(mask_BxC, full.completion_ids_BxC, 0))
+    np.testing.assert_allclose(limited.logp_BxC, np.where(mask_BxC, full.logp_BxC, 0),
+                               atol=1e-5)
+
+
+def test_pages_are_given_back_and_reused():
+    """A pool with room for one row at a time: rows wait for pages, every row still gets
+    its tokens, and at the end every row page is free again."""
+    worst = worst_row_pages(max(PROMPT_LENGTHS), NEW_TOKENS, 4)
+    tight = engine_rollout(0.7, 3, row_pages=worst)
+    assert_same_rows(tight, t07_rollout(0), atol=1e-5)
+
+    graphdef, state = policy(*LLAMA)
+    ids, mask = prompts()
+    engine = EngineConfig(max_slots=3, page_size=4, row_pages=worst)
+    keys = jax.vmap(lambda k: jax.random.split(k, GROUP))(
+        prompt_keys(jax.random.key(0), len(PROMPT_LENGTHS))).reshape(-1)
+
+    @jax.jit
+    def run(state):
+        final, steps = rollout(nnx.merge(graphdef, state), ids, mask, keys,
+                               jnp.full((ROWS,), NEW_TOKENS, jnp.int32), NEW_TOKENS, engine,
+                               stop_token_ids=(), pad_token_id=0,
+                               sampling=SamplingParams(0.7))
+        return final.free.count, jnp.sort(final.free.ids_F), final.row_S, steps
+
+    count, ids_sorted, row_S, steps = run(state)
+    layout = PoolLayout.plan(page_size=4, num_prompts=len(PROMPT_LENGTHS),
+                             prompt_len=max(PROMPT_LENGTHS), max_new_tokens=NEW_TOKENS,
+                             num_slots=3, row_pages=worst)
+    first = layout.num_prompts * layout.prompt_pages
+    assert int(count) == worst
+    np.testing.assert_array_equal(ids_sorted, first + np.arange(worst))
+    np.testing.assert_array_equal(row_S, -1)
+    # Any two rows need more than `worst` pages, so one runs at a time: 8 rows x 7 steps.
+    assert int(steps) == ROWS * (NEW_TOKENS - 1)
+
+
+def test_too_small_a_pool_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one row"):
+        PoolLayout.plan(page_size=4, num_prompts=2, prompt_len=6, max_new_tokens=8,
+                        num_slots=2, row_pages=1)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
+def test_engine_on_a_mesh_matches_the_single_device_reference(mesh_shape):
+    """The 8-device mesh: rows over data x fsdp, heads and vocabulary over tensor."""
+    from tests.rollout import test_engine as dense
+
+    mesh, graphdef, state = dense.policy(mesh_shape)
+    config = dataclasses.replace(dense.SAMPLER, engine=EngineConfig(
+        max_slots=4, page_size=4, pages_per_block=2))
+    on_mesh = Sampler(graphdef, config, mesh=mesh, rules=dense.ROLLOUT).generate(
+        state, dense._prompts(), jax.random.key(0))
+    assert_same_rows(on_mesh, dense.single_device_rollout(), atol=1e-5)
+
+
+def test_ragged_attention_matches_dense_attention_and_the_kernel_reference():
+    """Each slot over its own pages ≡ softmax over its tokens gathered densely, and the
+    arguments the TPU path builds give the kernel's own reference the same result."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ref_ragged_paged_attention,
+    )
+
+    from jaxrl.models.paged_attention import pallas_arguments, ragged_decode_attention
+
+    rng = np.random.default_rng(0)
+    slots, heads, kv_heads, dim, page, pages, width = 5, 4, 2, 8, 4, 30, 6
+    q_SxNxH = jnp.asarray(rng.standard_normal((slots, heads, dim)), jnp.float32)
+    kv_LxPxTx2KxH = jnp.asarray(rng.standard_normal((2, pages, page, 2 * kv_heads, dim)),
+                                jnp.float32)
+    table_SxM = jnp.asarray(rng.permutation(pages)[:slots * width].reshape(slots, width))
+    length_S = jnp.asarray([1, 7, 24, 13, 0], jnp.int32)
+    out = ragged_decode_attention(q_SxNxH, kv_LxPxTx2KxH, 1, table_SxM, length_S,
+                                  scale=dim ** -0.5, pages_per_block=2)
+    for s in range(slots):
+        n = int(length_S[s])
+        if n == 0:
+            np.testing.assert_array_equal(out[s], 0.0)
+            continue
+        kv = kv_LxPxTx2KxH[1][table_SxM[s]].reshape(-1, 2 * kv_heads, dim)[:n]
+        k, v = (jnp.repeat(kv[:, i::2], heads // kv_heads, axis=1) for i in (0, 1))
+        p = jax.nn.softmax(jnp.einsum("nh,tnh->nt", q_SxNxH[s], k) * dim ** -0.5, axis=-1)
+        np.testing.assert_allclose(out[s], jnp.einsum("nt,tnh->nh", p, v), atol=1e-6)
+    live = slice(0, 4)  # the kernel's reference wants every sequence non-empty
+    ref = ref_ragged_paged_attention(
+        *pallas_arguments(q_SxNxH[live], kv_LxPxTx2KxH[1], table_SxM[live], length_S[live]),
+        sm_scale=dim ** -0.5)
+    np.testing.assert_allclose(out[live], ref, atol=1e-6)
+
+
+def test_the_pool_is_updated_in_place():
+    """No copy of the whole KV pool anywhere in the compiled rollout (XLA writes the
+    donated-in-place loop carry with scatters)."""
+    import re
+
+    sampler_ = engine_sampler(0.7, 3)
+    graphdef, state = policy(*LLAMA)
+    hlo = sampler_._generate.lower(state, prompts(), jax.random.key(0), None).compile().as_text()
+    config = sampler_.config
+    cfg = nnx.merge(graphdef, state).config
+    layout = PoolLayout.plan(page_size=4, num_prompts=len(PROMPT_LENGTHS),
+                             prompt_len=max(PROMPT_LENGTHS), max_new_tokens=NEW_TOKENS,
+                             num_slots=3, row_pages=config.engine.row_pages)
+    pool = f"f32[{cfg.num_layers},{layout.num_pages},4,{2 * cfg.num_kv_heads},{cfg.head_dim}]"
+    copies = [line for line in hlo.splitlines() if re.search(rf"= {re.escape(pool)}\S* copy\(", line)]
+    assert pool in hlo and not copies, copies
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_engine_matches_the_reference_for_every_family(family):
+    """q/k/v biases (qwen2), q/k norms (qwen3), a sliding window (mistral)."""
+    from tests.rollout.test_sampler import T07, sampler
+
+    graphdef, state = policy(family, "float32")
+    config = dataclasses.replace(T07, engine=EngineConfig(max_slots=3, page_size=2,
+                                                          pages_per_block=2))
+    engine = Sampler(graphdef, config).generate(state, prompts(), jax.random.key(0))
+    reference = sampler(T07, family, "float32").generate(state, prompts(), jax.random.key(0))
+    assert_same_rows(engine, reference, atol=1e-5)
