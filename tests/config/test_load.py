@@ -120,3 +120,18 @@ def test_a_removed_key_says_why_and_a_saved_config_drops_it(tmp_path):
     with pytest.raises(ConfigError, match="was removed"):
         load_config(ExperimentConfig, old)
     assert load_config(ExperimentConfig, old, saved=True) == cfg
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollout.page_size=0", r"rollout.page_size must be >= 1, got 0"),
+    ("rollout.max_slots=0", r"rollout.max_slots must be >= 1 or null, got 0"),
+    ("rollout.kv_pages=-3", r"rollout.kv_pages must be >= 1 or null, got -3"),
+    ("rollout.batching=dynamic", r"rollout.batching"),
+    ("rollout.attention=flash", r"rollout.attention"),
+])
+def test_bad_engine_settings_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(Schema, None, [override])
+    cfg = load_config(Schema, None, ["rollout.max_slots=8", "rollout.batching=static"])
+    assert cfg.rollout.engine_config().max_slots == 8
+    assert cfg.rollout.engine_config().batching == "static"
