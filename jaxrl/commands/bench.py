@@ -11,7 +11,9 @@ numbers are the latency of a step, not hidden by the next one's dispatch. MFU/HF
 median step; the generate/train split comes from stamps inside the program
 (`jaxrl.step.clock`), each step recorded like training's (`jaxrl.run.recorder`). `decode_tokens_per_s` is completion tokens / generate seconds, prefill
 included (a lower bound of the pure decode rate); `decode_bound_tokens_per_s` is its
-roofline from the decode program's bytes accessed and the device's memory bandwidth.
+roofline from the decode program's bytes accessed and the device's memory bandwidth;
+`decode_roofline_frac` is decode_tokens_per_s over the roofline of the bytes a step must
+read: the weights plus the live KV (`_decode_roofline_frac`), not the whole preallocated cache.
 `peak_memory_bytes` is XLA's plan for the step program (per device);
 `measured_peak_memory_bytes` the allocator's peak where the device reports one (not CPU).
 `--profile` wraps the measured steps in a `jax.profiler` trace under `<run_dir>/profile`
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -57,6 +60,7 @@ BENCH_KEYS = (
     "train_s", "mfu", "hfu", "generate_mfu", "train_mfu", "model_flops_per_step",
     "xla_flops_per_step", "analytic_flops_per_step", "model_flops_generate",
     "model_flops_train", "decode_steps", "decode_tokens_per_s", "decode_bound_tokens_per_s",
+    "decode_roofline_frac",
     "peak_flops_per_device", "peak_source", "peak_memory_bytes", "measured_peak_memory_bytes",
     "device_memory_bytes", "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
     "utilization_note",
@@ -77,6 +81,7 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     run, state = started.run, started.state
 
     records: list[dict[str, Any]] = []
+    prompt_lens: list[float] = []  # mean real prompt tokens of each measured step's rows
     profile_dir = run.run_dir / PROFILE_DIR if profile else None
     if profile_dir is not None and jax.process_count() > 1:
         profile_dir = profile_dir / f"process-{jax.process_index()}"  # a trace per process
@@ -100,13 +105,15 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
             console.print(f"step {i + 1}/{warmup + steps} ({phase}): {step_s * 1e3:.1f} ms")
             if i >= warmup:
                 records.append(record)
+                prompt_lens.append(float(np.mean(np.sum(batch.mask_BxP, axis=1))))
     finally:
         log.close()
         if tracing:
             jax.profiler.stop_trace()
             console.print(f"[bold]profile[/]: {profile_dir} (tensorboard --logdir "
                           f"{profile_dir}, or XProf / Perfetto)")
-    result = _result(run, started.pre, records, config_path, warmup, profile_dir)
+    result = _result(run, started.pre, records, config_path, warmup, profile_dir,
+                     float(np.mean(prompt_lens)))
     if is_main():  # one writer; the other processes' host timings are their own
         (run.run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
     console.print(_table(result))
@@ -119,7 +126,8 @@ def _median(records: list[dict[str, Any]], name: str) -> float | None:
 
 
 def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
-            config_path: str | None, warmup: int, profile_dir: Path | None) -> dict[str, Any]:
+            config_path: str | None, warmup: int, profile_dir: Path | None,
+            prompt_len_mean: float) -> dict[str, Any]:
     step_s = _median(records, "time/step_s")
     generate_s, train_s = _median(records, "time/generate_s"), _median(records, "time/train_s")
     tokens = float(np.mean([r["completion/len_mean"] for r in records])) * run.rows
@@ -137,6 +145,7 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
             return None
         return utilization(flops, seconds, pre.num_devices, pre.peak.flops_per_s)
 
+    decode_tokens_per_s = run.rows * (decode_steps + 1) / generate_s if generate_s else None
     result = {
         "config": config_path, "run_dir": str(run.run_dir), "steps": len(records),
         "warmup": warmup, "device_kind": pre.device_kind, "num_devices": pre.num_devices,
@@ -149,9 +158,10 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
         "model_flops_per_step": model, "xla_flops_per_step": xla,
         "analytic_flops_per_step": analytic, "model_flops_generate": gen_flops,
         "model_flops_train": train_flops, "decode_steps": decode_steps,
-        "decode_tokens_per_s": (run.rows * (decode_steps + 1) / generate_s
-                                if generate_s else None),
+        "decode_tokens_per_s": decode_tokens_per_s,
         "decode_bound_tokens_per_s": _decode_bound(run, pre),
+        "decode_roofline_frac": _decode_roofline_frac(run, pre, decode_tokens_per_s,
+                                                      decode_steps, prompt_len_mean),
         "peak_flops_per_device": pre.peak.flops_per_s if pre.peak else None,
         "peak_source": pre.peak.source if pre.peak else "unknown: set perf.peak_tflops",
         "peak_memory_bytes": pre.memory.peak_bytes if pre.memory.programs else None,
@@ -190,6 +200,33 @@ def _decode_bound(run: Run, pre: Preflight) -> float | None:
     return run.rows / (decode.bytes_accessed / (pre.num_devices * bandwidth))
 
 
+def _decode_roofline_frac(run: Run, pre: Preflight, decode_tokens_per_s: float | None,
+                          decode_steps: int, prompt_len_mean: float) -> float | None:
+    """decode_tokens_per_s over the roofline of `_decode_bound`, its bytes the ones a decode
+    step must read rather than XLA's bytes of the dense program (which attends over the whole
+    preallocated cache): with W the parameters (an untied input embedding left out: a step
+    gathers B rows of it), D the decode steps, n_b row b's real prompt tokens, kv = 2 * layers
+    * kv_heads * head_dim bytes per token, all in the compute dtype (the rollout's weights),
+
+        bytes = W + kv * sum_b (n_b + (D + 1) / 2)
+
+    the live KV: at decode step t = 1..D row b attends over its n_b + t tokens. Every row
+    counts at every step, as in decode_tokens_per_s (a row that stopped early is counted to the
+    loop's end, so this overstates what the engine must read when rows stop on EOS)."""
+    bandwidth = memory_bandwidth(run.mesh.local_devices[0])
+    if bandwidth is None or not decode_tokens_per_s or decode_steps < 1:
+        return None
+    c = run.model_config
+    itemsize = jnp.dtype(c.compute_dtype).itemsize
+    weights = c.num_params() - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
+    kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim
+    step_bytes = itemsize * (weights + kv_token * run.rows * (prompt_len_mean
+                                                               + (decode_steps + 1) / 2))
+    # As `_decode_bound`: the step's bytes (one host's count) spread over every device.
+    bound_tokens_per_s = run.rows / (step_bytes / (pre.num_devices * bandwidth))
+    return decode_tokens_per_s / bound_tokens_per_s
+
+
 def _table(result: dict[str, Any]) -> Table:
     table = Table(title=f"jaxrl bench: {result['steps']} steps on {result['num_devices']} x "
                         f"{result['device_kind']}")
@@ -207,7 +244,8 @@ def _table(result: dict[str, Any]) -> Table:
                        ("generate_mfu", "pct"), ("train_mfu", "pct"),
                        ("model_flops_per_step", "flops"), ("xla_flops_per_step", "flops"),
                        ("analytic_flops_per_step", "flops"), ("decode_tokens_per_s", "rate"),
-                       ("decode_bound_tokens_per_s", "rate"), ("peak_memory_bytes", "bytes"),
+                       ("decode_bound_tokens_per_s", "rate"), ("decode_roofline_frac", "pct"),
+                       ("peak_memory_bytes", "bytes"),
                        ("device_memory_bytes", "bytes")):
         table.add_row(name, fmt(result[name], kind))
     peak = result["peak_flops_per_device"]

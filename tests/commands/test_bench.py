@@ -4,11 +4,14 @@ profiler trace with --profile, and config errors exit 2."""
 import contextlib
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
+from jaxrl.commands import bench as bench_module
 from jaxrl.commands.bench import BENCH_KEYS
+from jaxrl.models import ModelConfig
 from jaxrl.run.metrics_log import read_metrics
 from tests.run.test_loop import QUICKSTART, SMALL
 
@@ -53,8 +56,26 @@ def test_bench_numbers_add_up(bench):
     assert "measured" in r["peak_source"]  # CPU: a matmul calibration, not a table
     # CPUs have no memory-bandwidth entry: the decode roofline is unknown, not invented.
     assert r["decode_bound_tokens_per_s"] is None
+    assert r["decode_roofline_frac"] is None
     assert 0 < r["peak_memory_bytes"] < r["device_memory_bytes"]
     assert r["flops_unknown"] == []
+
+
+def test_decode_roofline_frac_reads_weights_and_live_kv(monkeypatch):
+    """Weights (an untied input embedding left out) plus each row's prompt and the tokens
+    decoded so far, (D + 1) / 2 on average over D steps, against the bandwidth of every device."""
+    monkeypatch.setattr(bench_module, "memory_bandwidth", lambda device: 1e9)
+    config = ModelConfig(model_type="llama", vocab_size=100, hidden_size=16, intermediate_size=32,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                         tie_word_embeddings=False, compute_dtype="bfloat16")
+    run = SimpleNamespace(mesh=SimpleNamespace(local_devices=[None]), rows=4,
+                          model_config=config)
+    pre = SimpleNamespace(num_devices=2)
+    step_bytes = 2 * (config.num_params() - 100 * 16 + (2 * 2 * 2 * 4) * 4 * (6 + (9 + 1) / 2))
+    bound_tokens_per_s = 4 / (step_bytes / (2 * 1e9))
+    assert bench_module._decode_roofline_frac(run, pre, 1000.0, 9, 6.0) == pytest.approx(
+        1000.0 / bound_tokens_per_s)
+    assert bench_module._decode_roofline_frac(run, pre, 1000.0, 0, 6.0) is None  # no decode step
 
 
 def test_bench_profile_writes_a_trace(bench):
