@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrl.models import KVCache, PagedKV, Transformer, default_positions
+from jaxrl.models import PagedKV, Transformer
 from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, take
-from jaxrl.rollout.sampler import Rollout, SamplerConfig, prompt_keys, sample_rows
+from jaxrl.rollout.sampler import Rollout, SamplerConfig, prefill, prompt_keys, sample_rows
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.sharding import constrain
 
@@ -60,13 +60,11 @@ class EngineConfig:
 @struct.dataclass
 class Prefix:
     """What `prefill_group` leaves for `insert`: per prompt its length; per row its first
-    token (sampled from the prompt's last logits), that token's log-probs, and whether the
-    row already ended on it."""
+    token (sampled from the prompt's last logits; it and its log-probs are already in the
+    state's outputs) and whether the row already ended on it."""
 
     prompt_len_P: jax.Array
     first_token_B: jax.Array
-    first_logp_B: jax.Array
-    first_logp_raw_B: jax.Array
     done_B: jax.Array
 
 
@@ -113,12 +111,11 @@ def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
     """Left-padded prompts through the model once; their real tokens' k/v into the prompt
     pages; the first token of each of the G = B / P samples of every prompt (as JetStream's
     `prefill_multisampling`)."""
-    num_prompts, prompt_len = prompt_ids_PxL.shape
+    num_prompts = prompt_ids_PxL.shape[0]
     g = row_keys_B.shape[0] // num_prompts
     mask_PxL = prompt_mask_PxL.astype(bool)
-    cache = KVCache.init(model.config, num_prompts, prompt_len)
-    logits_Px1xV, cache = model.extend(prompt_ids_PxL, default_positions(mask_PxL), cache,
-                                       mask_PxL, last_only=True)
+    # The dense sampler's prefill into a cache of just the prompt (no new-token slots).
+    logits_PxV, cache, _ = prefill(model, prompt_ids_PxL, mask_PxL, 1)
     # Real token i of prompt p (left padding skipped) goes to page p * Mp + i // T, offset i % T.
     n_P = jnp.sum(mask_PxL, axis=1, dtype=jnp.int32)
     index_PxL = jnp.cumsum(mask_PxL, axis=1, dtype=jnp.int32) - 1
@@ -128,7 +125,7 @@ def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
         *cache.k.shape[:3], -1, cache.k.shape[-1])
     kv_pages = state.kv_pages.at[:, page_PxL, index_PxL % layout.page_size].set(
         kv_LxPxLx2KxH.astype(state.kv_pages.dtype), mode="drop")
-    logits_BxV = jnp.repeat(logits_Px1xV[:, 0], g, axis=0)
+    logits_BxV = jnp.repeat(logits_PxV, g, axis=0)
     keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_B, 0)
     token_B, logp_B, logp_raw_B = sample_rows(keys_B, logits_BxV, sampling)
     done_B = jnp.isin(token_B, stop_ids) | (limit_B <= 1)
@@ -136,7 +133,7 @@ def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
         kv_pages=kv_pages, tokens_BxC=state.tokens_BxC.at[:, 0].set(token_B),
         mask_BxC=state.mask_BxC.at[:, 0].set(True), logp_BxC=state.logp_BxC.at[:, 0].set(logp_B),
         logp_raw_BxC=state.logp_raw_BxC.at[:, 0].set(logp_raw_B))
-    return state, Prefix(n_P, token_B, logp_B, logp_raw_B, done_B)
+    return state, Prefix(n_P, token_B, done_B)
 
 
 def insert(state: DecodeState, prefix: Prefix, layout: PoolLayout, slot_row_S: jax.Array,

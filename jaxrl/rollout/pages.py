@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -64,15 +65,12 @@ class PoolLayout:
 
 def worst_row_pages(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
     """The most own pages any row of a prompt up to `prompt_len` tokens takes (max over n_p)."""
-    return max(own_pages(n, max_new_tokens, page_size) for n in range(1, prompt_len + 1))
+    return int(np.max(own_pages(np.arange(1, prompt_len + 1), max_new_tokens, page_size)))
 
 
 def own_pages(n_prompt, limit, page_size):
-    """w_r of the module docstring (Python ints or arrays)."""
-    last = (n_prompt + limit - 2) // page_size
-    first = n_prompt // page_size
-    return jnp.where(limit >= 2, last - first + 1, 0) if isinstance(limit, jax.Array) else (
-        last - first + 1 if limit >= 2 else 0)
+    """w_r of the module docstring, elementwise (Python ints, numpy or jax arrays)."""
+    return ((n_prompt + limit - 2) // page_size - n_prompt // page_size + 1) * (limit >= 2)
 
 
 @struct.dataclass
