@@ -19,7 +19,9 @@ it has no per-row limits, so every row decodes T tokens over a [B, P + T - 1] ca
 the C_r useful tokens of each row count as generated. `static` / `continuous` run the engine
 (`jaxrl.rollout.continuous`) with S = --slots decode slots (default B; the engine takes at
 least 2) over a pool of --page-size-token pages and per-row limits C_r: static starts a batch
-of S rows only when every slot is free, continuous refills a slot as soon as its row ends.
+of S rows only when every slot is free, continuous refills a slot as soon as its row ends
+(and with --min-slots M, once no row waits, moves the live rows into half the slots whenever
+they fit, down to M).
 
 Timed: the compiled `Sampler.generate` program (prefill + decode loop + sampling), median of
 --repeats calls after a checked warm-up call. tokens_per_s = sum_r C_r / rollout_s. A decode
@@ -38,7 +40,8 @@ per cached token (keys and values of every layer):
     dense  bytes = W*itemsize + kv*B*(P + T - 1)      every weight + the whole preallocated cache
            FLOPs = 2*B*W + 4*B*(P + T - 1)*L*H*D      (attention runs over every slot, masked)
     engine bytes = W*itemsize + kv*A                  A = live tokens per iteration, on average
-           FLOPs = 2*S*W + 4*A*L*H*D                  (all S slots go through W, live or not)
+           FLOPs = 2*S'*W + 4*A*L*H*D                 S' = slot steps / N: every slot goes through
+                                                      W, live or not (S' = S without --min-slots)
 
 A row with limit C is live for C - 1 iterations, attending over n + 1, ..., n + C - 1 tokens
 (n = P its prompt), so A = sum_r [(C_r - 1) P + C_r (C_r - 1) / 2] / N: only N depends on
@@ -76,7 +79,8 @@ from flax import nnx
 from jaxrl.models import KVCache, ModelConfig, Transformer, default_positions
 from jaxrl.perf.memory import program_memory
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.continuous import EngineConfig
+from jaxrl.rollout.continuous import EngineConfig, engine_slots, slot_tiers
+from jaxrl.rollout.pages import PoolLayout
 from jaxrl.runtime import configure_xla
 from jaxrl.sharding import create_sharded, load_layout, make_mesh, use_rules
 
@@ -102,6 +106,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--length-sigma", type=float, default=1.0)
     p.add_argument("--slots", type=int, default=None, help="engine slots (default: --batch)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--min-slots", type=int, default=None,
+                   help="continuous: once no row waits, halve the slots down to this")
     p.add_argument("--layout", default="fsdp", help="preset or YAML; weights use its rollout rules")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed calls per measurement (dense step: 4x as many single steps)")
@@ -190,28 +196,39 @@ def row_limits(args: argparse.Namespace) -> np.ndarray:
 
 
 def engine_schedule(limits_B: np.ndarray, prompt_len: int, slots: int, batching: str,
-                    tokens_per_block: int) -> tuple[int, int, int]:
-    """(N, live tokens summed over the N iterations, tokens the XLA attention path gathers):
-    `continuous.rollout`'s loop replayed on the host, for prompts of `prompt_len` tokens and
-    a pool that holds every slot's worst case (its default: no row waits for pages). Rows
-    with C_r = 1 end on their prefill token; the others queue in row order. An iteration
-    admits queued rows into free slots (static: only when all are free), then every live slot
-    decodes one token; a row ends when it has C_r tokens, its slot free the next iteration."""
+                    tokens_per_block: int, min_slots: int | None = None,
+                    ) -> tuple[int, int, int, int]:
+    """(N, slot steps, live tokens summed over the N iterations, tokens the XLA attention
+    path gathers): `continuous.rollout`'s loop replayed on the host, for prompts of
+    `prompt_len` tokens and a pool that holds every slot's worst case (its default: no row
+    waits for pages). Rows with C_r = 1 end on their prefill token; the others queue in row
+    order. An iteration admits queued rows into free slots (static: only when all are free),
+    then every live slot decodes one token; a row ends when it has C_r tokens, its slot free
+    the next iteration. With `min_slots`, once the queue is empty the slot count halves
+    whenever the live rows fit (`continuous.slot_tiers`)."""
     queue = [int(c) for c in limits_B if c > 1]
-    limit_S, t_S, live_S = np.zeros(slots, int), np.zeros(slots, int), np.zeros(slots, bool)
-    taken = steps = live_tokens = gathered = 0
+    tiers = slot_tiers(slots, min_slots)
+    limit_S, t_S = np.zeros(slots, int), np.zeros(slots, int)
+    live_S = np.zeros(slots, bool)
+    taken = steps = slot_steps = live_tokens = gathered = tier = 0
     while taken < len(queue) or live_S.any():
+        while (tier + 1 < len(tiers) and taken == len(queue)
+               and live_S.sum() <= tiers[tier + 1]):
+            tier += 1
+            keep = np.argsort(~live_S, kind="stable")[:tiers[tier]]
+            limit_S, t_S, live_S = limit_S[keep], t_S[keep], live_S[keep]
         free_S = ~live_S & (batching == "continuous" or not live_S.any())
         for s in np.flatnonzero(free_S)[:len(queue) - taken]:
             limit_S[s], t_S[s], live_S[s] = queue[taken], 1, True
             taken += 1
         length_S = prompt_len + t_S[live_S]  # tokens each live slot attends over
         live_tokens += int(length_S.sum())
-        gathered += slots * -(-int(length_S.max()) // tokens_per_block) * tokens_per_block
+        gathered += len(live_S) * -(-int(length_S.max()) // tokens_per_block) * tokens_per_block
+        slot_steps += len(live_S)
         t_S += 1
         live_S &= t_S < limit_S
         steps += 1
-    return steps, live_tokens, gathered
+    return steps, slot_steps, live_tokens, gathered
 
 
 def main() -> None:
@@ -257,8 +274,8 @@ def main() -> None:
         engine, slots, limits = None, batch, None
     else:
         engine = EngineConfig(max_slots=args.slots or batch, page_size=args.page_size,
-                              batching=args.batching)
-        slots = max(2, min(engine.max_slots, batch))  # as `continuous.rollout` takes them
+                              batching=args.batching, min_slots=args.min_slots)
+        slots = engine_slots(engine, batch)
         limits = jnp.asarray(limits_B)
     sampler = Sampler(graphdef, SamplerConfig(max_new_tokens=new, sampling=SamplingParams(1.0),
                                               engine=engine), mesh=mesh, rules=rules)
@@ -276,16 +293,18 @@ def main() -> None:
         kv_tokens = kv_gathered = batch * (prompt_len + new - 1)  # the whole cache, each step
         step_flops = 2 * step_params * batch + attn_token_flops * kv_tokens
     else:
-        table_width = (prompt_len + new - 2) // args.page_size + 1  # `PoolLayout.plan`
-        tokens_per_block = min(engine.pages_per_block, table_width) * args.page_size
-        iterations, live_sum, gathered_sum = engine_schedule(
-            limits_B, prompt_len, slots, args.batching, tokens_per_block)
+        pool = PoolLayout.plan(page_size=args.page_size, num_prompts=batch,
+                               prompt_len=prompt_len, max_new_tokens=new, num_slots=slots)
+        tokens_per_block = min(engine.pages_per_block, pool.table_width) * pool.page_size
+        iterations, slot_steps, live_sum, gathered_sum = engine_schedule(
+            limits_B, prompt_len, slots, args.batching, tokens_per_block, args.min_slots)
         if args.check_schedule:
-            check_schedule(graphdef, params, engine, prompts, limits, new, iterations, mesh,
-                           rules)
+            check_schedule(graphdef, params, engine, prompts, limits, new,
+                           (iterations, slot_steps), mesh, rules)
         kv_tokens = live_sum / max(iterations, 1)
         kv_gathered = gathered_sum / max(iterations, 1)
-        step_flops = 2 * step_params * slots + attn_token_flops * kv_tokens
+        step_flops = (2 * step_params * slot_steps / max(iterations, 1)
+                      + attn_token_flops * kv_tokens)
     step_bytes = weight_bytes + kv_token_bytes * kv_tokens
     step_s = rollout_s / iterations if iterations else None
     result = {
@@ -294,7 +313,8 @@ def main() -> None:
         "batching": args.batching, "lengths": args.lengths,
         "length_median": args.length_median if args.lengths == "longtail" else None,
         "length_sigma": args.length_sigma if args.lengths == "longtail" else None,
-        "batch": batch, "slots": slots, "page_size": None if dense else args.page_size,
+        "batch": batch, "slots": slots, "min_slots": None if dense else args.min_slots,
+        "decode_slot_steps": batch * (new - 1) if dense else slot_steps, "page_size": None if dense else args.page_size,
         "prompt_len": prompt_len, "max_new_tokens": new,
         "generated_tokens": generated, "limit_mean": float(limits_B.mean()),
         "limit_max": int(limits_B.max()),
@@ -321,8 +341,8 @@ def main() -> None:
         print(json.dumps(result))  # the last line
 
 
-def check_schedule(graphdef, params, engine, prompts, limits, new, iterations, mesh, rules):
-    """Runs `continuous.rollout` under jit and asserts its loop ran `iterations` times."""
+def check_schedule(graphdef, params, engine, prompts, limits, new, expected, mesh, rules):
+    """Runs `continuous.rollout` under jit and asserts its (iterations, slot steps)."""
     from jaxrl.rollout.continuous import rollout
 
     @jax.jit
@@ -331,10 +351,11 @@ def check_schedule(graphdef, params, engine, prompts, limits, new, iterations, m
             keys = jax.random.split(jax.random.key(0), ids_BxP.shape[0])
             return rollout(nnx.merge(graphdef, params), ids_BxP, mask_BxP, keys, limit_B, new,
                            engine, stop_token_ids=(), pad_token_id=0,
-                           sampling=SamplingParams(1.0))[1]
+                           sampling=SamplingParams(1.0))[1:]
 
-    if (got := int(steps(params, *prompts, limits))) != iterations:
-        raise AssertionError(f"continuous.rollout ran {got} iterations; the replay: {iterations}")
+    if (got := tuple(int(x) for x in steps(params, *prompts, limits))) != expected:
+        raise AssertionError(f"continuous.rollout ran (iterations, slot steps) {got}; the "
+                             f"replay: {expected}")
 
 
 def micro(args, config, graphdef, params, mesh, rules, ids_BxP, mask_BxP, step_params,

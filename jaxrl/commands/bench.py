@@ -135,10 +135,11 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
     acc = pre.accounting
     model = xla = analytic = gen_flops = train_flops = None
     if acc is not None:
-        flops = acc.metrics(decode_steps)
+        run_steps = acc.decode_steps(_median(records, "rollout/decode_slot_steps"))
+        flops = acc.metrics(run_steps)
         model, xla, analytic = (flops["perf/model_flops"], flops["perf/xla_flops"],
                                 flops["perf/analytic_flops"])
-        gen_flops, train_flops = acc.model.generate_flops(decode_steps), acc.model.train_flops()
+        gen_flops, train_flops = acc.model.generate_flops(run_steps), acc.model.train_flops()
 
     def util(flops, seconds):
         if flops is None or not seconds or pre.peak is None:

@@ -53,6 +53,10 @@ class RolloutSection(SamplingSection):
     max_slots: int | None = None
     page_size: int = 16  # tokens per KV page
     kv_pages: int | None = None  # row pages in the pool; null: every slot's worst case
+    # Continuous batching only: once no row waits, the live rows move into half as many slots
+    # whenever they fit, down to min_slots (each halving compiles one more decode loop), so a
+    # long tail of rows stops paying for free slots. null: the slot count never changes.
+    min_slots: int | None = None
     # auto: the TPU kernel (Pallas ragged_paged_attention) on TPU when it takes the shapes,
     # else the XLA path (blocks of pages up to the longest live row)
     attention: Literal["auto", "xla", "pallas"] = "auto"
@@ -60,6 +64,10 @@ class RolloutSection(SamplingSection):
     def __post_init__(self):
         require_at_least("rollout", self, ("num_generations", "max_new_tokens", "page_size"))
         require_at_least("rollout", self, ("max_slots", "kv_pages"), 1, " or null")
+        require_at_least("rollout", self, ("min_slots",), 2, " or null")
+        if self.min_slots is not None and self.batching == "static":
+            raise ValueError(f"rollout.min_slots={self.min_slots} shrinks continuous batching's "
+                             f"slots; with rollout.batching=static expected null")
         if self.ignore_eos and self.stop_token_ids:
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")
@@ -68,7 +76,7 @@ class RolloutSection(SamplingSection):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_slots=self.max_slots, page_size=self.page_size,
                             batching=self.batching, attention=self.attention,
-                            row_pages=self.kv_pages)
+                            row_pages=self.kv_pages, min_slots=self.min_slots)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,11 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
 
     init = (jnp.int32(0), jnp.full((s, k, g), -jnp.inf, jnp.float32),
             jnp.zeros((s, k, g), jnp.float32), jnp.zeros((s, k, g, h), jnp.float32))
-    _, _, l_SxKxG, acc_SxKxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks, body, init)
+    if num_blocks_total == 1:  # every row fits one block: no loop (its overhead is per layer)
+        _, _, l_SxKxG, acc_SxKxGxH = body(init)
+    else:
+        _, _, l_SxKxG, acc_SxKxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks, body,
+                                                        init)
     out_SxKxGxH = acc_SxKxGxH / jnp.where(l_SxKxG > 0, l_SxKxG, 1.0)[..., None]
     return out_SxKxGxH.reshape(s, n, h).astype(q_SxNxH.dtype)
 

@@ -8,7 +8,8 @@ unrolled, chunk loops unrolled) and counted:
     step FLOPs = sum over phase programs p of  flops(p) x trips(p)
 
     prefill            x 1
-    decode step        x (decode steps executed: rollout/num_steps - 1, known after the step)
+    decode step        x (B-row decode steps executed, known after the step: the one-row
+                          forward passes the loop ran / B)
     train programs     x their static trip counts (microbatches, minibatches, iterations)
 
 For a program sharded over n devices cost analysis reports the FLOPs of one device, so a
@@ -70,7 +71,7 @@ class PhaseCount:
     trips: int
     per_decode_step: bool = False
 
-    def flops(self, decode_steps: int) -> float | None:
+    def flops(self, decode_steps: float) -> float | None:
         if self.cost.flops is None:
             return None
         return self.cost.flops * (decode_steps if self.per_decode_step else self.trips)
@@ -83,13 +84,13 @@ class StepFlops:
     generate: tuple[PhaseCount, ...]
     train: tuple[PhaseCount, ...]
 
-    def generate_flops(self, decode_steps: int) -> float | None:
+    def generate_flops(self, decode_steps: float) -> float | None:
         return _sum(p.flops(decode_steps) for p in self.generate)
 
     def train_flops(self) -> float | None:
         return _sum(p.flops(0) for p in self.train)
 
-    def total(self, decode_steps: int) -> float | None:
+    def total(self, decode_steps: float) -> float | None:
         """FLOPs of a step whose decode loop ran `decode_steps` one-token steps."""
         return _sum((self.generate_flops(decode_steps), self.train_flops()))
 

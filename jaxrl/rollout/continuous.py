@@ -11,7 +11,8 @@ JetStream's Engine shape, pure JAX, every function traceable into one compiled p
 
 `rollout(...)` runs them in a `lax.while_loop`: whenever slots are free it inserts the next
 pending rows (continuous batching; `static` waits until every slot is free, then inserts a
-whole batch), then decodes one token for every live slot, until every row has finished. A
+whole batch), then decodes one token for every live slot, until every row has finished
+(with `min_slots`, once no row waits, in ever fewer slots: `shrink`). A
 row is (prompt p, sample g) at index p * G + g; its token t is drawn with
 fold_in(key_r, t), key_r its own key, so a row gets the same tokens in any slot, with any
 number of slots and under either batching. A row ends at its first stop token (kept) or at
@@ -46,10 +47,16 @@ class EngineConfig:
     attention: Literal["auto", "xla", "pallas"] = "auto"
     pages_per_block: int = 8
     row_pages: int | None = None  # None: every slot's worst case fits at once
+    min_slots: int | None = None  # None: the slot count stays; else it halves down to this
 
     def __post_init__(self):
         if self.max_slots is not None and self.max_slots < 1:
             raise ValueError(f"max_slots must be >= 1 or None, got {self.max_slots}")
+        if self.min_slots is not None and self.min_slots < 2:
+            raise ValueError(f"min_slots must be >= 2 or None, got {self.min_slots}")
+        if self.min_slots is not None and self.batching == "static":
+            raise ValueError("min_slots shrinks continuous batching's slots; with static "
+                             f"batching it must be None, got {self.min_slots}")
         if self.attention not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got "
                              f"{self.attention!r}")
@@ -228,15 +235,17 @@ def admit(state: DecodeState, prefix: Prefix, layout: PoolLayout, queue_B: jax.A
 def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
             row_keys_B: jax.Array, limit_B: jax.Array, max_new_tokens: int,
             config: EngineConfig, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
-            sampling: SamplingParams) -> tuple[DecodeState, jax.Array]:
-    """Every row's completion (in the state's [B, C] outputs) and the decode steps run."""
+            sampling: SamplingParams) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """(state, iterations, slot steps): every row's completion (in the state's [B, C]
+    outputs), the decode iterations run and the slots they ran (live or not) summed.
+
+    `config.min_slots`: once no row waits, whenever the live rows fit in half the slots they
+    move there (`shrink`), down to `min_slots`: each tier is its own `while_loop`, so one more
+    compiled decode step, and the tail of long rows stops paying for free slots."""
     num_prompts, prompt_len = prompt_ids_PxL.shape
     b = row_keys_B.shape[0]
     g = b // num_prompts
-    # At least 2 slots: with one row, XLA's dots take their matrix-vector path, which rounds
-    # differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers do
-    # not depend on the slot count, and a spare slot just stays free.
-    slots = max(2, b if config.max_slots is None else min(config.max_slots, b))
+    slots = engine_slots(config, b)
     layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                              num_slots=slots, row_pages=config.row_pages)
@@ -252,23 +261,60 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
     queue_B = jnp.argsort(prefix.done_B, stable=True).astype(jnp.int32)
     num_queued = jnp.sum(~prefix.done_B, dtype=jnp.int32)
 
-    def cond(carry):
-        state, next_, _ = carry
-        return (next_ < num_queued) | jnp.any(state.live_S)
-
-    def body(carry):
-        state, next_, steps = carry
+    def admit_and_insert(state, next_):
         slot_row_S, next_ = admit(state, prefix, layout, queue_B, num_queued, next_, limit_B,
                                   g, config.batching)
-        state = jax.lax.cond(jnp.any(slot_row_S >= 0),
-                             lambda st: insert(st, prefix, layout, slot_row_S, limit_B, g),
-                             lambda st: st, state)
+        return insert(state, prefix, layout, slot_row_S, limit_B, g), next_
+
+    def body(carry):
+        state, next_, steps, slot_steps = carry
+        # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
+        state, next_ = jax.lax.cond((next_ < num_queued) & ~jnp.all(state.live_S),
+                                    admit_and_insert, lambda st, n: (st, n), state, next_)
         state = generate(nnx.merge(graphdef, weights, copy=True), state, prefix, layout,
                          config, row_keys_B, limit_B, stop_ids, g, sampling)
-        return state, next_, steps + 1
+        return state, next_, steps + 1, slot_steps + state.row_S.shape[0]
 
-    state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.int32(0)))
-    return state, steps
+    tiers = slot_tiers(slots, config.min_slots)
+    carry = (state, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+    for k, num_slots in enumerate(tiers):
+        # Tier k runs while rows wait or more rows live than the next tier has slots.
+        below = tiers[k + 1] if k + 1 < len(tiers) else 0
+
+        def cond(carry, below=below):
+            state, next_, _, _ = carry
+            return (next_ < num_queued) | (jnp.sum(state.live_S) > below)
+
+        if k:
+            carry = (shrink(carry[0], num_slots), *carry[1:])
+        carry = jax.lax.while_loop(cond, body, carry)
+    state, _, steps, slot_steps = carry
+    return state, steps, slot_steps
+
+
+def engine_slots(config: EngineConfig, num_rows: int) -> int:
+    """The decode slots of a rollout of `num_rows` rows: `max_slots` (None: every row), at
+    most the rows, at least 2: with one row XLA's dots take their matrix-vector path, which
+    rounds differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers
+    do not depend on the slot count, and a spare slot just stays free."""
+    return max(2, num_rows if config.max_slots is None else min(config.max_slots, num_rows))
+
+
+def slot_tiers(num_slots: int, min_slots: int | None) -> tuple[int, ...]:
+    """The slot counts the loop runs with: `num_slots`, then halves while >= `min_slots`."""
+    tiers = [num_slots]
+    while min_slots is not None and tiers[-1] // 2 >= max(min_slots, 2):
+        tiers.append(tiers[-1] // 2)
+    return tuple(tiers)
+
+
+def shrink(state: DecodeState, num_slots: int) -> DecodeState:
+    """The live slots (at most `num_slots`) moved into the first `num_slots` slots: a row
+    keeps its pages, position and key, so its tokens do not change."""
+    keep_S = jnp.argsort(~state.live_S, stable=True)[:num_slots]
+    return state.replace(row_S=state.row_S[keep_S], t_S=state.t_S[keep_S],
+                         token_S=state.token_S[keep_S],
+                         page_table_SxM=state.page_table_SxM[keep_S])
 
 
 def resolve_attention(attention: str, model_config, layout: PoolLayout, num_slots: int) -> str:
@@ -311,10 +357,10 @@ def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask
     if limit_B is None:
         limit_B = jnp.full((b,), config.max_new_tokens, jnp.int32)
     limit_B = jnp.clip(limit_B.astype(jnp.int32), 1, config.max_new_tokens)
-    state, _ = rollout(model, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
-                       config.max_new_tokens, config.engine or EngineConfig(max_slots=b),
-                       stop_token_ids=config.stop_token_ids, pad_token_id=config.pad_token_id,
-                       sampling=config.sampling)
+    state, _, slot_steps = rollout(
+        model, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B, config.max_new_tokens,
+        config.engine or EngineConfig(max_slots=b), stop_token_ids=config.stop_token_ids,
+        pad_token_id=config.pad_token_id, sampling=config.sampling)
     mask_BxC = state.mask_BxC
     num_steps = jnp.max(jnp.sum(mask_BxC, axis=1, dtype=jnp.int32))
 
@@ -327,4 +373,5 @@ def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask
             repeat(prompt_ids_PxL), repeat(prompt_mask_PxL.astype(bool))))
     return Rollout(prompt_ids_BxP=ids_BxL, prompt_mask_BxP=pmask_BxL,
                    completion_ids_BxC=tokens_BxC, completion_mask_BxC=mask_BxC,
-                   logp_BxC=logp_BxC, logp_raw_BxC=logp_raw_BxC, num_steps=num_steps)
+                   logp_BxC=logp_BxC, logp_raw_BxC=logp_raw_BxC, num_steps=num_steps,
+                   decode_slot_steps=slot_steps)

@@ -65,6 +65,9 @@ class Rollout:
     logp_BxC: jax.Array
     logp_raw_BxC: jax.Array
     num_steps: jax.Array
+    # One-row forward passes the decode loop ran, live or not: rows x (num_steps - 1) here;
+    # the engine's slots summed over its iterations. What the decode FLOPs scale with.
+    decode_slot_steps: jax.Array
 
 
 def sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,
@@ -180,4 +183,5 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
     return Rollout(
         prompt_ids_BxP=prompt_ids_BxP, prompt_mask_BxP=prompt_mask_BxP,
         completion_ids_BxC=tokens_BxC, completion_mask_BxC=mask_BxC, logp_BxC=logp_BxC,
-        logp_raw_BxC=logp_raw_BxC, num_steps=num_steps)
+        logp_raw_BxC=logp_raw_BxC, num_steps=num_steps,
+        decode_slot_steps=batch * (num_steps - 1))

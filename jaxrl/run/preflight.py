@@ -31,6 +31,7 @@ from jaxrl.perf import (
     MemoryFitError,
     MemoryReport,
     Peak,
+    ProgramMemory,
     check_fit,
     device_memory,
     format_bytes,
@@ -39,6 +40,9 @@ from jaxrl.perf import (
     program_memory,
     utilization,
 )
+from jaxrl.rollout import Sampler
+from jaxrl.rollout.continuous import engine_slots
+from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
 from jaxrl.step.clock import phase_times
@@ -64,7 +68,8 @@ class Preflight:
         out: dict[str, float] = dict(phase_times(stamps))
         if self.accounting is None:
             return out
-        decode_steps = int(np.asarray(metrics["rollout/num_steps"])) - 1
+        decode_steps = self.accounting.decode_steps(
+            float(np.asarray(metrics["rollout/decode_slot_steps"])))
         for name, flops in self.accounting.metrics(decode_steps).items():
             if flops is not None:
                 out[name] = flops
@@ -93,17 +98,14 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         _check_kv_cache(run, limit, source)
     start = time.perf_counter()
     with console.status("compiling the step program..."):
-        compiled = run.step.compile(state, *args, run.ref_params)
+        programs = _compile(run, (state, *args, run.ref_params))
     compile_s = time.perf_counter() - start
-    programs = [m for name, c in compiled.items()
-                if (m := program_memory(name, c)) is not None]
-    if run.ref_params is not None and "generate" in compiled:
-        # Split mode: the reference copy is live through the generate program too, though
-        # not one of its arguments.
-        programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + _device_bytes(
-            run.ref_params)) if m.name == "generate" else m for m in programs]
     if programs and limit > 0:
-        memory = check_fit(programs, limit, source, memory_suggestions(run))
+        try:
+            memory = check_fit(programs, limit, source, memory_suggestions(run))
+        except MemoryFitError as e:
+            programs = _fit_kv_pool(run, (state, *args, run.ref_params), e, console)
+            memory = check_fit(programs, limit, source, memory_suggestions(run))
         console.print(f"[bold]memory[/]: {memory.describe()}")
     else:
         memory = MemoryReport(tuple(programs), limit, source)
@@ -130,6 +132,63 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         console.print(f"[yellow]peak[/]: unknown, no MFU/HFU: {e}")
     return Preflight(memory, accounting, peak, run.mesh.size, device.device_kind, compile_s,
                      count_s)
+
+
+def _compile(run: Run, args: tuple[Any, ...]) -> list[ProgramMemory]:
+    """Compiles the step program(s) for `args`; their memory analysis (where XLA gives it)."""
+    compiled = run.step.compile(*args)
+    programs = [m for name, c in compiled.items()
+                if (m := program_memory(name, c)) is not None]
+    if run.ref_params is not None and "generate" in compiled:
+        # Split mode: the reference copy is live through the generate program too, though
+        # not one of its arguments.
+        programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + _device_bytes(
+            run.ref_params)) if m.name == "generate" else m for m in programs]
+    return programs
+
+
+def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,
+                 console: Console) -> list[ProgramMemory]:
+    """The step recompiled with the largest KV pool that fits, when the engine's default
+    pool (every slot's worst case at once) does not and `rollout.kv_pages` is unset; else
+    the error stands. A pool of R row pages makes the peak a convex, piecewise linear
+    function of R (a constant part, and the generate phase's part growing with R), so the
+    line through the peaks at one worst-case row (R_min) and at the default (R_max) bounds it
+    from above:  R = R_min + (limit - peak(R_min)) / ((peak(R_max) - peak(R_min)) /
+    (R_max - R_min)). Fewer pages than slots' worst cases: rows wait for pages to come back.
+    If even R_min does not fit, its MemoryFitError is raised."""
+    sampler, cfg, report = run.step.sampler, run.cfg, error.report
+    engine = sampler.config.engine
+    if engine is None or engine.row_pages is not None:
+        raise error
+    prompt_len, new = args[1].ids_BxP.shape[1], cfg.rollout.max_new_tokens
+    layout = PoolLayout.plan(page_size=engine.page_size, num_prompts=cfg.data.batch_size,
+                             prompt_len=prompt_len, max_new_tokens=new,
+                             num_slots=engine_slots(engine, run.rows))
+    worst, most = worst_row_pages(prompt_len, new, layout.page_size), layout.row_pages
+    if most <= worst:
+        raise error
+
+    def compile_with(row_pages: int) -> list[ProgramMemory]:
+        config = dataclasses.replace(sampler.config, engine=dataclasses.replace(
+            engine, row_pages=row_pages))
+        run.step.use_sampler(Sampler(sampler.graphdef, config, mesh=sampler.mesh,
+                                     rules=sampler.rules))
+        with console.status(f"compiling the step with a KV pool of {row_pages:,} row "
+                            f"pages..."):
+            return _compile(run, args)
+
+    least = check_fit(compile_with(worst), report.limit_bytes, report.limit_source,
+                      memory_suggestions(run))
+    per_page = (report.peak_bytes - least.peak_bytes) / (most - worst)
+    pages = min(most - 1, worst + int((report.limit_bytes - least.peak_bytes) // per_page))
+    programs = compile_with(pages)
+    page_bytes = per_page and format_bytes(int(per_page))
+    console.print(f"[bold]KV pool[/]: {pages:,} row pages of {layout.page_size} tokens "
+                  f"(~{page_bytes} each) fit beside the rest of the step; every slot's worst "
+                  f"case at once needs {most:,}, so rows may wait for pages "
+                  f"(rollout.kv_pages sets the pool)")
+    return programs
 
 
 def _check_kv_cache(run: Run, limit: int, source: str) -> None:

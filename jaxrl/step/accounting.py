@@ -1,7 +1,8 @@
 """FLOP accounting of the RL step: each phase compiled as a loop-free program, counted by XLA.
 
     prefill       sampler.prefill of the P prompts                       x 1
-    decode        sampler.decode_step + sample_rows of the B = P·G rows  x decode steps run
+    decode        sampler.decode_step + sample_rows of the B = P·G rows  x decode steps run:
+                  rollout/decode_slot_steps / B (the engine's slots can be fewer than B)
     logprobs      completion_log_probs of one microbatch (old / ref)     x microbatches x (old + KL)
     grad          value_and_grad(microbatch_loss) of one microbatch      x iterations x minibatches
                                                                             x microbatches
@@ -70,14 +71,20 @@ class StepShapes:
 
 @dataclasses.dataclass(frozen=True)
 class StepAccounting:
-    """Model, hardware (XLA) and analytic FLOPs of a step; `decode_steps` is
-    `rollout/num_steps - 1` of that step."""
+    """Model, hardware (XLA) and analytic FLOPs of a step; `decode_steps` counts B-row
+    decode steps: `decode_steps(rollout/decode_slot_steps)` of that step."""
 
     model: StepFlops
     hardware: StepFlops
     analytic: StepFlops
+    rows: int  # B, the rows of the decode program counted
 
-    def metrics(self, decode_steps: int) -> dict[str, float | None]:
+    def decode_steps(self, slot_steps: float) -> float:
+        """B-row decode steps of a loop that ran `slot_steps` one-row forward passes (the
+        dense sampler: B x (num_steps - 1); the engine: its slots summed over iterations)."""
+        return slot_steps / self.rows
+
+    def metrics(self, decode_steps: float) -> dict[str, float | None]:
         return {"perf/model_flops": self.model.total(decode_steps),
                 "perf/xla_flops": self.hardware.total(decode_steps),
                 "perf/analytic_flops": self.analytic.total(decode_steps)}
@@ -124,7 +131,7 @@ def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerC
 
     model = count("model")
     hardware = count("hardware") if "hardware" in kinds else model
-    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips))
+    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips), shapes.rows)
 
 
 def _trips(algo: AlgoSection, shapes: StepShapes) -> dict[str, int]:

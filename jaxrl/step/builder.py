@@ -38,6 +38,7 @@ rewards) are per prompt; they are repeated for the G samples.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -135,17 +136,24 @@ class Step:
                  phase_times: bool = True):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
-        self.cfg, self.graphdef, self.sampler, self.rewards = cfg, graphdef, sampler, rewards
+        self.cfg, self.graphdef, self.rewards = cfg, graphdef, rewards
         self.mesh, self.rules = mesh, rules
         self._schedule = None if optim is None else learning_rate_schedule(optim)
         self.clock = PhaseClock(enabled=phase_times)
+        self.use_sampler(sampler)
+
+    def use_sampler(self, sampler: Sampler) -> None:
+        """Generates with `sampler` from now on (the memory fit's smaller KV pool): the
+        program(s) are traced and compiled again, by fresh jit wrappers (no cached trace of
+        the old sampler can be reused)."""
+        self.sampler = sampler
         self._compiled: dict[str, Any] = {}
-        if cfg.mode == "fused":
-            self._fused = jax.jit(self._fused_body, donate_argnums=0)
+        if self.cfg.mode == "fused":
+            self._fused = jax.jit(functools.partial(Step._fused_body, self), donate_argnums=0)
             self.programs: tuple[Callable[..., Any], ...] = (self._fused,)
         else:
-            self._generate = jax.jit(self._generate_body)
-            self._train = jax.jit(self._train_body, donate_argnums=0)
+            self._generate = jax.jit(functools.partial(Step._generate_body, self))
+            self._train = jax.jit(functools.partial(Step._train_body, self), donate_argnums=0)
             self.programs = (self._generate, self._train)
 
     def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],

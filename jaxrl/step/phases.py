@@ -294,8 +294,9 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
 
 def completion_metrics(rollout: Rollout, stop_token_ids: tuple[int, ...],
                        ) -> dict[str, Any]:
-    """completion/len_mean, completion/clipped_frac (no stop token within the budget) and
-    rollout/num_steps (filled completion columns: decode steps + 1)."""
+    """completion/len_mean, completion/clipped_frac (no stop token within the budget),
+    rollout/num_steps (filled completion columns) and rollout/decode_slot_steps (one-row
+    forward passes the decode loop ran: what its FLOPs scale with)."""
     mask_BxC = rollout.completion_mask_BxC.astype(bool)
     stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
     stopped_B = jnp.any(mask_BxC & jnp.isin(rollout.completion_ids_BxC, stop_ids), axis=1)
@@ -303,4 +304,5 @@ def completion_metrics(rollout: Rollout, stop_token_ids: tuple[int, ...],
         "completion/len_mean": jnp.mean(jnp.sum(mask_BxC, axis=1), dtype=jnp.float32),
         "completion/clipped_frac": jnp.mean(mask_BxC[:, -1] & ~stopped_B, dtype=jnp.float32),
         "rollout/num_steps": rollout.num_steps,
+        "rollout/decode_slot_steps": rollout.decode_slot_steps,
     }

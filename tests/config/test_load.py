@@ -126,6 +126,7 @@ def test_a_removed_key_says_why_and_a_saved_config_drops_it(tmp_path):
     ("rollout.page_size=0", r"rollout.page_size must be >= 1, got 0"),
     ("rollout.max_slots=0", r"rollout.max_slots must be >= 1 or null, got 0"),
     ("rollout.kv_pages=-3", r"rollout.kv_pages must be >= 1 or null, got -3"),
+    ("rollout.min_slots=1", r"rollout.min_slots must be >= 2 or null, got 1"),
     ("rollout.batching=dynamic", r"rollout.batching"),
     ("rollout.attention=flash", r"rollout.attention"),
 ])
@@ -135,3 +136,7 @@ def test_bad_engine_settings_name_the_key(override, match):
     cfg = load_config(Schema, None, ["rollout.max_slots=8", "rollout.batching=static"])
     assert cfg.rollout.engine_config().max_slots == 8
     assert cfg.rollout.engine_config().batching == "static"
+    with pytest.raises(ConfigError, match="rollout.min_slots=4 shrinks continuous"):
+        load_config(Schema, None, ["rollout.min_slots=4", "rollout.batching=static"])
+    cfg = load_config(Schema, None, ["rollout.max_slots=64", "rollout.min_slots=4"])
+    assert cfg.rollout.engine_config().min_slots == 4

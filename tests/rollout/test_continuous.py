@@ -32,9 +32,9 @@ ROWS = len(PROMPT_LENGTHS) * GROUP
 
 @functools.cache
 def engine_sampler(temperature, slots, batching="continuous", page_size=4, row_pages=None,
-                   stop=(), max_new=NEW_TOKENS):
+                   stop=(), max_new=NEW_TOKENS, min_slots=None):
     engine = EngineConfig(max_slots=slots, page_size=page_size, batching=batching,
-                          row_pages=row_pages, pages_per_block=2)
+                          row_pages=row_pages, pages_per_block=2, min_slots=min_slots)
     config = SamplerConfig(max_new, GROUP, stop_token_ids=stop,
                            sampling=SamplingParams(temperature), engine=engine)
     return Sampler(policy(*LLAMA)[0], config)
@@ -87,10 +87,37 @@ def test_static_and_continuous_batching_give_every_row_the_same_tokens(page_size
     base = engine_rollout(0.7, ROWS, batching="static", page_size=page_size, stop=stop)
     lengths = np.asarray(base.completion_mask_BxC).sum(1)
     assert len(np.unique(lengths)) >= 3, lengths
-    for slots, batching in [(ROWS, "continuous"), (3, "continuous"), (3, "static"),
-                            (1, "continuous")]:
-        other = engine_rollout(0.7, slots, batching=batching, page_size=page_size, stop=stop)
+    for slots, batching, min_slots in [(ROWS, "continuous", None), (3, "continuous", None),
+                                       (3, "static", None), (1, "continuous", None),
+                                       (ROWS, "continuous", 2), (6, "continuous", 3)]:
+        other = engine_rollout(0.7, slots, batching=batching, page_size=page_size, stop=stop,
+                               min_slots=min_slots)
         assert_same_rows(other, base, atol=1e-6)
+
+
+def _loop_counts(limits, slots, min_slots):
+    """(iterations, slot steps) of `rollout` with per-row `limits` (T=0.7, no stop ids)."""
+    graphdef, state = policy(*LLAMA)
+    ids, mask = prompts()
+    engine = EngineConfig(max_slots=slots, page_size=4, min_slots=min_slots)
+    keys = jax.random.split(jax.random.key(0), ROWS)
+    _, steps, slot_steps = jax.jit(lambda state: rollout(
+        nnx.merge(graphdef, state), ids, mask, keys, jnp.asarray(limits, jnp.int32),
+        NEW_TOKENS, engine, stop_token_ids=(), pad_token_id=0,
+        sampling=SamplingParams(0.7)))(state)
+    return int(steps), int(slot_steps)
+
+
+def test_slots_halve_for_the_tail():
+    """One long row among short ones: after the first iteration only it lives, so it moves
+    8 -> 4 -> 2 slots and its 6 other iterations run 2 slots each (a row with limit l is
+    live for l - 1 iterations: its first token comes from the prefill)."""
+    limits = [8] + [2] * (ROWS - 1)
+    assert _loop_counts(limits, ROWS, None) == (7, 7 * ROWS)
+    assert _loop_counts(limits, ROWS, 2) == (7, ROWS + 6 * 2)
+    assert _loop_counts(limits, ROWS, 4) == (7, ROWS + 6 * 4)
+    with pytest.raises(ValueError, match="min_slots"):
+        EngineConfig(batching="static", min_slots=2)
 
 
 def test_per_row_limits_truncate_each_row():
@@ -130,7 +157,7 @@ def test_pages_are_given_back_and_reused():
 
     @jax.jit
     def run(state):
-        final, steps = rollout(nnx.merge(graphdef, state), ids, mask, keys,
+        final, steps, _ = rollout(nnx.merge(graphdef, state), ids, mask, keys,
                                jnp.full((ROWS,), NEW_TOKENS, jnp.int32), NEW_TOKENS, engine,
                                stop_token_ids=(), pad_token_id=0,
                                sampling=SamplingParams(0.7))
@@ -146,6 +173,15 @@ def test_pages_are_given_back_and_reused():
     np.testing.assert_array_equal(row_S, -1)
     # Any two rows need more than `worst` pages, so one runs at a time: 8 rows x 7 steps.
     assert int(steps) == ROWS * (NEW_TOKENS - 1)
+
+
+def test_a_page_is_no_longer_than_the_longest_row():
+    """6 prompt + 4 new tokens: the cache holds at most 9, so pages of 16 become pages of 9."""
+    layout = PoolLayout.plan(page_size=16, num_prompts=2, prompt_len=6, max_new_tokens=4,
+                             num_slots=4)
+    assert (layout.page_size, layout.table_width, layout.prompt_pages) == (9, 1, 1)
+    assert PoolLayout.plan(page_size=4, num_prompts=2, prompt_len=6, max_new_tokens=4,
+                           num_slots=4).page_size == 4
 
 
 def test_too_small_a_pool_is_refused():

@@ -77,6 +77,10 @@ def test_step_total_is_phases_times_trips():
               + sum(phases[n].cost.flops * phases[n].trips for n in ("logprobs", "grad", "update")))
     assert acc.metrics(5)["perf/model_flops"] == pytest.approx(manual)
     assert acc.metrics(7)["perf/model_flops"] > acc.metrics(5)["perf/model_flops"]
+    # The loop's one-row forward passes, over B rows: B x 5 of them are 5 B-row steps; an
+    # engine with B / 4 slots that ran 8 iterations ran 2 of them.
+    assert acc.decode_steps(SHAPES.rows * 5) == 5
+    assert acc.decode_steps(SHAPES.rows // 4 * 8) == 2
     # One device, no remat, no chunking: the hardware program is the model program.
     assert acc.hardware is acc.model
 

@@ -121,6 +121,8 @@ def test_fused_step_updates_params_once_per_step_without_recompiling():
         assert np.isfinite(m[name]), name
     assert m["reward/errors"] == 0 and m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-2)
     assert m["rollout/num_steps"] >= 1 and m["rollout/num_steps"] <= SAMPLER.max_new_tokens
+    # The dense sampler: every row goes through every decode step of the loop.
+    assert m["rollout/decode_slot_steps"] == ROWS * (m["rollout/num_steps"] - 1)
     assert 0 < m["completion/len_mean"] <= SAMPLER.max_new_tokens
     # On-policy first update: the recomputed old log-probs give ratio 1, so nothing is clipped.
     assert m["clip_frac"] == 0
@@ -185,11 +187,13 @@ def test_advantages_mask_zero_std_groups_and_completion_metrics_by_hand():
     ids = jnp.array([[7, 1, 0], [7, 8, 9], [7, 8, 1], [5, 0, 0]])  # 1 = stop
     mask = jnp.array([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]], bool)
     zeros = jnp.zeros((4, 3))
-    rollout = Rollout(ids[:, :1], mask[:, :1], ids, mask, zeros, zeros, jnp.int32(3))
+    rollout = Rollout(ids[:, :1], mask[:, :1], ids, mask, zeros, zeros, jnp.int32(3),
+                      jnp.int32(8))
     m = completion_metrics(rollout, (1,))
     # Row 1 filled the budget without a stop token; row 2 stopped on the last column.
     assert m["completion/clipped_frac"] == 0.25
     assert m["completion/len_mean"] == 2.25 and m["rollout/num_steps"] == 3
+    assert m["rollout/decode_slot_steps"] == 8
 
 
 def test_chunked_log_probs_give_the_same_step():

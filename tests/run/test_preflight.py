@@ -1,0 +1,46 @@
+"""The memory fit before the first step: the engine's KV pool is sized to what fits."""
+
+import io
+
+import pytest
+from rich.console import Console
+
+from jaxrl.config import ExperimentConfig, load_config
+from jaxrl.perf import MemoryFitError
+from jaxrl.rollout.pages import worst_row_pages
+from jaxrl.run.start import start_run
+from tests.commands.test_failures import QUICKSTART
+
+# Long completions, small training microbatches: the KV pool is most of the step's memory
+# (measured per device, fsdp over the 8 test devices: 23.1 MiB peak with every slot's worst
+# case, 9.8 MiB with one row's pages).
+POOL_HEAVY = ["rollout.max_new_tokens=128", "algo.microbatch_size=4", "eval.num_prompts=0",
+              "log.tensorboard=false", "log.plot=false"]
+LIMIT_GIB = 0.015  # 15.4 MiB: between the two
+
+
+def _start(tmp_path, *overrides):
+    cfg = load_config(ExperimentConfig, QUICKSTART, [f"train.run_dir={tmp_path / 'run'}",
+                                                    *POOL_HEAVY, *overrides])
+    out = io.StringIO()
+    started = start_run(cfg, "fit", Console(file=out, width=200))
+    return started, out.getvalue()
+
+
+def test_the_kv_pool_shrinks_to_what_fits(tmp_path):
+    started, out = _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}")
+    memory, engine = started.pre.memory, started.run.step.sampler.config.engine
+    worst = worst_row_pages(6, 128, 16)
+    assert memory.fits and memory.peak_bytes <= LIMIT_GIB * 2**30
+    # Fewer pages than 256 slots' worst case, more than one row's; the step runs with them.
+    assert worst < engine.row_pages < 256 * worst, engine
+    assert f"KV pool: {engine.row_pages:,} row pages" in out, out
+    assert started.run.step.num_compilations() == 1
+    started.checkpoints.close()
+
+
+def test_a_set_kv_pages_is_not_resized(tmp_path):
+    """rollout.kv_pages is the user's: too big is an error naming the step's numbers."""
+    with pytest.raises(MemoryFitError, match="per device, more than the"):
+        _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}",
+               f"rollout.kv_pages={256 * worst_row_pages(6, 128, 16)}")
