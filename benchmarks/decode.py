@@ -79,7 +79,7 @@ from flax import nnx
 from jaxrl.models import KVCache, ModelConfig, Transformer, default_positions
 from jaxrl.perf.memory import program_memory
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.continuous import EngineConfig, engine_slots, slot_tiers
+from jaxrl.rollout.continuous import EngineConfig, max_concurrent_decodes, slot_tiers
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.runtime import configure_xla
 from jaxrl.sharding import create_sharded, load_layout, make_mesh, use_rules
@@ -275,7 +275,7 @@ def main() -> None:
     else:
         engine = EngineConfig(max_slots=args.slots or batch, page_size=args.page_size,
                               batching=args.batching, min_slots=args.min_slots)
-        slots = engine_slots(engine, batch)
+        slots = max_concurrent_decodes(engine, batch)
         limits = jnp.asarray(limits_B)
     sampler = Sampler(graphdef, SamplerConfig(max_new_tokens=new, sampling=SamplingParams(1.0),
                                               engine=engine), mesh=mesh, rules=rules)

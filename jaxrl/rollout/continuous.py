@@ -6,8 +6,10 @@ JetStream's Engine shape, pure JAX, every function traceable into one compiled p
     state, prefix  = prefill_group(model, state, prompts, ...)  prompts into their pages; the
                                                                first token of each of the G
                                                                samples of every prompt
+                     (prefill: the same with G = 1)
     state          = insert(state, prefix, slot_S, row_S)      rows start in slots
     state, tokens  = generate(model, state, prefix, ...)        one token for every live slot
+    slots          = max_concurrent_decodes(config, rows)
 
 `rollout(...)` runs them in a `lax.while_loop`: whenever slots are free it inserts the next
 pending rows (continuous batching; `static` waits until every slot is free, then inserts a
@@ -30,7 +32,8 @@ from flax import nnx, struct
 
 from jaxrl.models import PagedKV, Transformer
 from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, take
-from jaxrl.rollout.sampler import Rollout, SamplerConfig, prefill, prompt_keys, sample_rows
+from jaxrl.rollout.sampler import Rollout, SamplerConfig, prompt_keys, sample_rows
+from jaxrl.rollout.sampler import prefill as dense_prefill
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.sharding import constrain
 
@@ -122,7 +125,7 @@ def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
     g = row_keys_B.shape[0] // num_prompts
     mask_PxL = prompt_mask_PxL.astype(bool)
     # The dense sampler's prefill into a cache of just the prompt (no new-token slots).
-    logits_PxV, cache, _ = prefill(model, prompt_ids_PxL, mask_PxL, 1)
+    logits_PxV, cache, _ = dense_prefill(model, prompt_ids_PxL, mask_PxL, 1)
     # Real token i of prompt p (left padding skipped) goes to page p * Mp + i // T, offset i % T.
     n_P = jnp.sum(mask_PxL, axis=1, dtype=jnp.int32)
     index_PxL = jnp.cumsum(mask_PxL, axis=1, dtype=jnp.int32) - 1
@@ -141,6 +144,15 @@ def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
         mask_BxC=state.mask_BxC.at[:, 0].set(True), logp_BxC=state.logp_BxC.at[:, 0].set(logp_B),
         logp_raw_BxC=state.logp_raw_BxC.at[:, 0].set(logp_raw_B))
     return state, Prefix(n_P, token_B, done_B)
+
+
+def prefill(model: Transformer, state: DecodeState, layout: PoolLayout,
+            prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array, keys_P: jax.Array,
+            limit_P: jax.Array, stop_ids: jax.Array, sampling: SamplingParams,
+            ) -> tuple[DecodeState, Prefix]:
+    """One sample per prompt (row p is prompt p): `prefill_group` with G = 1."""
+    return prefill_group(model, state, layout, prompt_ids_PxL, prompt_mask_PxL, keys_P,
+                         limit_P, stop_ids, sampling)
 
 
 def insert(state: DecodeState, prefix: Prefix, layout: PoolLayout, slot_row_S: jax.Array,
@@ -177,8 +189,9 @@ def insert(state: DecodeState, prefix: Prefix, layout: PoolLayout, slot_row_S: j
 def generate(model: Transformer, state: DecodeState, prefix: Prefix, layout: PoolLayout,
              config: EngineConfig, row_keys_B: jax.Array, limit_B: jax.Array,
              stop_ids: jax.Array, group_size: int, sampling: SamplingParams,
-             ) -> DecodeState:
-    """One token for every live slot; rows that end give their slot and pages back."""
+             ) -> tuple[DecodeState, jax.Array]:
+    """(state, token_S): one token for every live slot (-1 for a free one), also written to
+    its row's outputs; rows that end give their slot and pages back."""
     live_S = state.live_S
     row_S = jnp.maximum(state.row_S, 0)
     n_S = prefix.prompt_len_P[row_S // group_size]
@@ -207,7 +220,8 @@ def generate(model: Transformer, state: DecodeState, prefix: Prefix, layout: Poo
         tokens_BxC=state.tokens_BxC.at[out_row_S, col_S].set(token_S, mode="drop"),
         mask_BxC=state.mask_BxC.at[out_row_S, col_S].set(True, mode="drop"),
         logp_BxC=state.logp_BxC.at[out_row_S, col_S].set(logp_S, mode="drop"),
-        logp_raw_BxC=state.logp_raw_BxC.at[out_row_S, col_S].set(logp_raw_S, mode="drop"))
+        logp_raw_BxC=state.logp_raw_BxC.at[out_row_S, col_S].set(logp_raw_S, mode="drop")
+    ), jnp.where(live_S, token_S, -1)
 
 
 def admit(state: DecodeState, prefix: Prefix, layout: PoolLayout, queue_B: jax.Array,
@@ -245,7 +259,7 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
     num_prompts, prompt_len = prompt_ids_PxL.shape
     b = row_keys_B.shape[0]
     g = b // num_prompts
-    slots = engine_slots(config, b)
+    slots = max_concurrent_decodes(config, b)
     layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                              num_slots=slots, row_pages=config.row_pages)
@@ -271,8 +285,8 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
         # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
         state, next_ = jax.lax.cond((next_ < num_queued) & ~jnp.all(state.live_S),
                                     admit_and_insert, lambda st, n: (st, n), state, next_)
-        state = generate(nnx.merge(graphdef, weights, copy=True), state, prefix, layout,
-                         config, row_keys_B, limit_B, stop_ids, g, sampling)
+        state, _ = generate(nnx.merge(graphdef, weights, copy=True), state, prefix, layout,
+                            config, row_keys_B, limit_B, stop_ids, g, sampling)
         return state, next_, steps + 1, slot_steps + state.row_S.shape[0]
 
     tiers = slot_tiers(slots, config.min_slots)
@@ -292,7 +306,7 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
     return state, steps, slot_steps
 
 
-def engine_slots(config: EngineConfig, num_rows: int) -> int:
+def max_concurrent_decodes(config: EngineConfig, num_rows: int) -> int:
     """The decode slots of a rollout of `num_rows` rows: `max_slots` (None: every row), at
     most the rows, at least 2: with one row XLA's dots take their matrix-vector path, which
     rounds differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers

@@ -41,7 +41,7 @@ from jaxrl.perf import (
     utilization,
 )
 from jaxrl.rollout import Sampler
-from jaxrl.rollout.continuous import engine_slots
+from jaxrl.rollout.continuous import max_concurrent_decodes
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
@@ -164,7 +164,7 @@ def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,
     prompt_len, new = args[1].ids_BxP.shape[1], cfg.rollout.max_new_tokens
     layout = PoolLayout.plan(page_size=engine.page_size, num_prompts=cfg.data.batch_size,
                              prompt_len=prompt_len, max_new_tokens=new,
-                             num_slots=engine_slots(engine, run.rows))
+                             num_slots=max_concurrent_decodes(engine, run.rows))
     worst, most = worst_row_pages(prompt_len, new, layout.page_size), layout.row_pages
     if most <= worst:
         raise error
@@ -182,10 +182,10 @@ def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,
                       memory_suggestions(run))
     per_page = (report.peak_bytes - least.peak_bytes) / (most - worst)
     pages = min(most - 1, worst + int((report.limit_bytes - least.peak_bytes) // per_page))
-    programs = compile_with(pages)
-    page_bytes = per_page and format_bytes(int(per_page))
+    programs = compile_with(pages)  # per_page > 0: the least pool fits, the default did not
     console.print(f"[bold]KV pool[/]: {pages:,} row pages of {layout.page_size} tokens "
-                  f"(~{page_bytes} each) fit beside the rest of the step; every slot's worst "
+                  f"(~{format_bytes(int(per_page))} of peak each) fit beside the rest of the "
+                  f"step; every slot's worst "
                   f"case at once needs {most:,}, so rows may wait for pages "
                   f"(rollout.kv_pages sets the pool)")
     return programs

@@ -11,7 +11,15 @@ import pytest
 from flax import nnx
 
 from jaxrl.rollout import Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.continuous import EngineConfig, rollout
+from jaxrl.rollout.continuous import (
+    EngineConfig,
+    generate,
+    init_decode_state,
+    insert,
+    max_concurrent_decodes,
+    prefill,
+    rollout,
+)
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.rollout.sampler import prompt_keys
 from tests.rollout.test_sampler import (
@@ -175,6 +183,45 @@ def test_pages_are_given_back_and_reused():
     assert int(steps) == ROWS * (NEW_TOKENS - 1)
 
 
+def test_the_engine_steps_by_hand_give_the_rollout_row():
+    """JetStream's loop by hand: prefill the prompts (one sample each), insert row 2 into slot
+    1 of 2, generate until its limit: the tokens `rollout` gives row 2; slot 0 stays free."""
+    graphdef, state = policy(*LLAMA)
+    ids, mask = prompts()
+    num_prompts = ids.shape[0]
+    keys = jax.random.split(jax.random.key(3), num_prompts)
+    limit = jnp.full((num_prompts,), NEW_TOKENS, jnp.int32)
+    stop, sampling = jnp.asarray([-1], jnp.int32), SamplingParams(0.7)
+    engine = EngineConfig(max_slots=2, page_size=4, attention="xla")
+    slots = max_concurrent_decodes(engine, num_prompts)
+    layout = PoolLayout.plan(page_size=4, num_prompts=num_prompts, prompt_len=ids.shape[1],
+                             max_new_tokens=NEW_TOKENS, num_slots=slots)
+
+    @jax.jit
+    def by_hand(state):
+        model = nnx.merge(graphdef, state)
+        st = init_decode_state(model, layout, slots, num_prompts, NEW_TOKENS, 0)
+        st, prefix = prefill(model, st, layout, ids, mask, keys, limit, stop, sampling)
+        st = insert(st, prefix, layout, jnp.asarray([-1, 2], jnp.int32), limit, 1)
+        tokens = [prefix.first_token_B[2]]
+        for _ in range(NEW_TOKENS - 1):
+            st, token_S = generate(model, st, prefix, layout, engine, keys, limit, stop, 1,
+                                   sampling)
+            tokens.append(token_S[1])
+        return jnp.stack(tokens), token_S[0], st.row_S
+
+    @jax.jit
+    def whole(state):
+        return rollout(nnx.merge(graphdef, state), ids, mask, keys, limit, NEW_TOKENS, engine,
+                       stop_token_ids=(), pad_token_id=0, sampling=sampling)[0].tokens_BxC
+
+    tokens, free_token, row_S = by_hand(state)
+    assert slots == 2
+    np.testing.assert_array_equal(tokens, whole(state)[2])
+    assert int(free_token) == -1
+    np.testing.assert_array_equal(row_S, [-1, -1])  # the row ended at its limit
+
+
 def test_a_page_is_no_longer_than_the_longest_row():
     """6 prompt + 4 new tokens: the cache holds at most 9, so pages of 16 become pages of 9."""
     layout = PoolLayout.plan(page_size=16, num_prompts=2, prompt_len=6, max_new_tokens=4,
@@ -237,19 +284,20 @@ def test_ragged_attention_matches_dense_attention_and_the_kernel_reference():
     np.testing.assert_allclose(out[live], ref, atol=1e-6)
 
 
-def test_the_pool_is_updated_in_place():
+@pytest.mark.parametrize("slots, min_slots", [(3, None), (ROWS, 2)])
+def test_the_pool_is_updated_in_place(slots, min_slots):
     """No copy of the whole KV pool anywhere in the compiled rollout (XLA writes the
-    donated-in-place loop carry with scatters)."""
+    donated-in-place loop carry with scatters), also from one slot tier's loop to the next."""
     import re
 
-    sampler_ = engine_sampler(0.7, 3)
+    sampler_ = engine_sampler(0.7, slots, min_slots=min_slots)
     graphdef, state = policy(*LLAMA)
     hlo = sampler_._generate.lower(state, prompts(), jax.random.key(0), None).compile().as_text()
     config = sampler_.config
     cfg = nnx.merge(graphdef, state).config
     layout = PoolLayout.plan(page_size=4, num_prompts=len(PROMPT_LENGTHS),
                              prompt_len=max(PROMPT_LENGTHS), max_new_tokens=NEW_TOKENS,
-                             num_slots=3, row_pages=config.engine.row_pages)
+                             num_slots=slots, row_pages=config.engine.row_pages)
     pool = f"f32[{cfg.num_layers},{layout.num_pages},4,{2 * cfg.num_kv_heads},{cfg.head_dim}]"
     copies = [line for line in hlo.splitlines() if re.search(rf"= {re.escape(pool)}\S* copy\(", line)]
     assert pool in hlo and not copies, copies
