@@ -237,14 +237,16 @@ def test_too_small_a_pool_is_refused():
                         num_slots=2, row_pages=1)
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
-def test_engine_on_a_mesh_matches_the_single_device_reference(mesh_shape):
-    """The 8-device mesh: rows over data x fsdp, heads and vocabulary over tensor."""
+@pytest.mark.parametrize("mesh_shape, min_slots", [((8, 1, 1), None), ((2, 2, 2), None),
+                                                  ((2, 2, 2), 2)])
+def test_engine_on_a_mesh_matches_the_single_device_reference(mesh_shape, min_slots):
+    """The 8-device mesh: rows over data x fsdp, heads and vocabulary over tensor (and the
+    slots halving 4 -> 2 for the tail)."""
     from tests.rollout import test_engine as dense
 
     mesh, graphdef, state = dense.policy(mesh_shape)
     config = dataclasses.replace(dense.SAMPLER, engine=EngineConfig(
-        max_slots=4, page_size=4, pages_per_block=2))
+        max_slots=4, page_size=4, pages_per_block=2, min_slots=min_slots))
     on_mesh = Sampler(graphdef, config, mesh=mesh, rules=dense.ROLLOUT).generate(
         state, dense._prompts(), jax.random.key(0))
     assert_same_rows(on_mesh, dense.single_device_rollout(), atol=1e-5)
