@@ -17,7 +17,9 @@ read: the weights plus the live KV (`_decode_roofline_frac`), not the whole prea
 `peak_memory_bytes` is XLA's plan for the step program (per device);
 `measured_peak_memory_bytes` the allocator's peak where the device reports one (not CPU).
 `--profile` wraps the measured steps in a `jax.profiler` trace under `<run_dir>/profile`
-(open with TensorBoard's profile plugin, XProf or Perfetto).
+(open with TensorBoard's profile plugin, XProf or Perfetto) and prints where the device time
+went per step, grouped as matmul / attention / copies / reductions / collectives / host /
+other with the top ops (`jaxrl.perf.profile`; in the JSON as `profile_split_s`, `profile_top`).
 The run directory also gets `bench.json` (the JSON line) and `metrics.jsonl`.
 """
 
@@ -45,6 +47,7 @@ from jaxrl.perf import (
     plausible,
     utilization,
 )
+from jaxrl.perf.profile import TraceSplit, op_groups, summarize_trace
 from jaxrl.run.build import Run
 from jaxrl.run.metrics_log import MetricsLog
 from jaxrl.run.preflight import Preflight
@@ -63,7 +66,7 @@ BENCH_KEYS = (
     "decode_roofline_frac",
     "peak_flops_per_device", "peak_source", "peak_memory_bytes", "measured_peak_memory_bytes",
     "device_memory_bytes", "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
-    "utilization_note",
+    "profile_split_s", "profile_top", "utilization_note",
 )
 
 
@@ -91,7 +94,7 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     try:
         for i in range(warmup + steps):
             if i == warmup and profile_dir is not None:
-                jax.profiler.start_trace(str(profile_dir))
+                jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
                 tracing = True
             batch, placed = started.batch(i)
             start = time.perf_counter()
@@ -114,6 +117,13 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
                           f"{profile_dir}, or XProf / Perfetto)")
     result = _result(run, started.pre, records, config_path, warmup, profile_dir,
                      float(np.mean(prompt_lens)))
+    if profile_dir is not None:
+        split = summarize_trace(profile_dir, op_groups(
+            [c.as_text() for c in run.step.compiled().values()]), steps)
+        result["profile_split_s"] = split.group_s
+        result["profile_top"] = [{"op": op, "group": group, "s_per_step": sec,
+                                  "calls_per_step": calls} for op, group, sec, calls in split.top]
+        console.print(_split_table(split))
     if is_main():  # one writer; the other processes' host timings are their own
         (run.run_dir / BENCH_FILE).write_text(json.dumps(result) + "\n", encoding="utf-8")
     console.print(_table(result))
@@ -171,6 +181,7 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
         "compile_s": pre.compile_s, "count_flops_s": pre.count_s,
         "flops_unknown": (acc.model.unknown() + acc.hardware.unknown()) if acc else None,
         "profile_dir": str(profile_dir) if profile_dir else None,
+        "profile_split_s": None, "profile_top": None,
         "utilization_note": None,
     }
     impossible = [k for k in ("mfu", "hfu", "generate_mfu", "train_mfu")
@@ -226,6 +237,23 @@ def _decode_roofline_frac(run: Run, pre: Preflight, decode_tokens_per_s: float |
     # As `_decode_bound`: the step's bytes (one host's count) spread over every device.
     bound_tokens_per_s = run.rows / (step_bytes / (pre.num_devices * bandwidth))
     return decode_tokens_per_s / bound_tokens_per_s
+
+
+def _split_table(split: TraceSplit) -> Table:
+    """Device time per step by group (`jaxrl.perf.profile`), then the ops that took most."""
+    table = Table(title=f"where the device time goes (per step, {split.steps} profiled steps)")
+    for column in ("group / op", "ms per step", "share"):
+        table.add_column(column, justify="left" if column == "group / op" else "right")
+    total = split.total_s or 1.0
+    for group, seconds in sorted(split.group_s.items(), key=lambda kv: -kv[1]):
+        table.add_row(group, f"{seconds * 1e3:.2f}", f"{seconds / total:.1%}")
+    table.add_section()
+    for op, group, seconds, calls in split.top:
+        table.add_row(f"{op} ({group}, {calls:g}x)", f"{seconds * 1e3:.2f}",
+                      f"{seconds / total:.1%}")
+    table.caption = ("op events summed over the device's threads (a multi-threaded CPU can "
+                     "exceed the step's wall time); host Python not counted")
+    return table
 
 
 def _table(result: dict[str, Any]) -> Table:

@@ -193,6 +193,10 @@ class Step:
         self._compiled = {"generate": generate, "train": train}
         return dict(self._compiled)
 
+    def compiled(self) -> dict[str, Any]:
+        """{name: jax Compiled} of the program(s) `compile` made (empty before it ran)."""
+        return dict(self._compiled)
+
     def num_compilations(self) -> int | None:
         """Programs compiled for the step so far (1 per program when nothing recompiled)."""
         sizes = [getattr(p, "_cache_size", None) for p in self.programs]

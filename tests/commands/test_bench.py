@@ -12,6 +12,7 @@ from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.commands import bench as bench_module
 from jaxrl.commands.bench import BENCH_KEYS
 from jaxrl.models import ModelConfig
+from jaxrl.perf.profile import GROUPS
 from jaxrl.run.metrics_log import read_metrics
 from tests.run.test_loop import QUICKSTART, SMALL
 
@@ -83,6 +84,14 @@ def test_bench_profile_writes_a_trace(bench):
     assert result["profile_dir"] == str(run_dir / "profile")
     traces = list((run_dir / "profile").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
+    # Where the device time went, per step: the step's matmuls and attention are in it.
+    split = result["profile_split_s"]
+    assert tuple(split) == GROUPS
+    assert split["matmul"] > 0 and split["attention"] > 0 and split["copies"] > 0
+    assert split["collectives"] > 0  # fsdp over the 8 test devices gathers the weights
+    top = result["profile_top"]
+    assert len(top) == 10 and all(t["group"] in GROUPS and t["s_per_step"] > 0 for t in top)
+    assert [t["s_per_step"] for t in top] == sorted((t["s_per_step"] for t in top), reverse=True)
 
 
 def test_bench_config_errors_exit_2(tmp_path, capsys):
