@@ -72,9 +72,19 @@ def sample_tokens(keys_B: jax.Array, logits_BxV: jax.Array,
     logp_raw_B = _take(jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1), token_B)
     if params.greedy:
         logp_B = jnp.zeros_like(logp_raw_B)
+    elif unchanged(params, logits_BxV.shape[-1]):
+        logp_B = logp_raw_B  # the same numbers: x / 1.0 is x, nothing filtered
     else:
         logp_B = _take(jax.nn.log_softmax(processed_BxV, axis=-1), token_B)
     return token_B, logp_B, logp_raw_B
+
+
+def unchanged(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether `process_logits` leaves the logits as they are (temperature 1, no filter), so
+    the sampled distribution's log-softmax is the model's: one pass over the vocabulary
+    instead of two."""
+    return (params.temperature == 1 and (params.top_k is None or params.top_k >= vocab_size)
+            and (params.top_p is None or params.top_p >= 1))
 
 
 def _take(values_BxV: jax.Array, index_B: jax.Array) -> jax.Array:

@@ -180,3 +180,16 @@ def test_each_row_draws_with_its_own_key():
 def test_invalid_params_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_sampled_distribution_is_the_models_only_when_nothing_changes_it():
+    """Temperature 1 and no filter: one log-softmax serves both log-probs, the same numbers."""
+    from jaxrl.rollout.sampling import unchanged
+
+    assert unchanged(SamplingParams(1.0), VOCAB)
+    assert unchanged(SamplingParams(1.0, top_k=VOCAB, top_p=1.0), VOCAB)
+    assert not unchanged(SamplingParams(0.7), VOCAB)
+    assert not unchanged(SamplingParams(1.0, top_k=VOCAB - 1), VOCAB)
+    assert not unchanged(SamplingParams(1.0, top_p=0.9), VOCAB)
+    _, logp_B, logp_raw_B = _draw(0, _random_logits(0), SamplingParams(1.0))
+    np.testing.assert_array_equal(logp_B, logp_raw_B)
