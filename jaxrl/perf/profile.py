@@ -8,12 +8,14 @@ as its HLO instruction: `fusion.12`, `ynn_fusion.3`, `all-reduce.1`, ...). Each 
 of the compiled program(s) falls in one group:
 
     attention    anything under the model's `jax.named_scope("attention")` (scores, softmax,
-                 weighted values; the XLA path and custom-call kernels alike)
+                 weighted values, and their gradients; the XLA path and kernels alike)
     matmul       a dot or convolution, or a fusion whose computation contains one
     collectives  all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
     host         host callbacks (the Python rewards), infeed / outfeed, send / recv
     copies       copy, transpose, gather / scatter, slices and concatenations, and fusions
-                 made of nothing else (data moved, no arithmetic)
+                 made of nothing else (data moved, no arithmetic) or holding a transpose or
+                 copy (a layout change: its strided reads cost more than the elementwise
+                 arithmetic fused with it)
     reductions   a reduce (or reduce-window), or a fusion containing one
     other        the rest: elementwise fusions, sorts, random bits
     (while, conditional and call are containers: their bodies' ops have their own events,
@@ -46,6 +48,9 @@ _MOVES = {"copy", "transpose", "gather", "scatter", "slice", "dynamic-slice",
 # the type (types may hold parentheses: tuples).
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(")
 _SCALAR = re.compile(r"[a-z]+[0-9]*\[\]")
+# The scope as a path component, also under autodiff: attention/, jvp(attention)/,
+# transpose(jvp(attention))/.
+_ATTENTION = re.compile(r"(?:^|[/(])attention(?:[)/]|$)")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 
 
@@ -114,14 +119,14 @@ def _group(inst: Instruction, inside: set[str]) -> str | None:
         return "collectives"
     if op in _HOST or (op == "custom-call" and "callback" in inst.custom_target.lower()):
         return "host"
-    if "attention" in inst.op_name.split("/"):
+    if _ATTENTION.search(inst.op_name):
         return "attention"
     ops = inside | {op} if op != "fusion" else inside
     if ops & {"dot", "convolution"}:
         return "matmul"
     if ops & {"reduce", "reduce-window"}:
         return "reductions"
-    if ops and ops <= _MOVES:
+    if ops and (ops <= _MOVES or ops & {"copy", "transpose"}):
         return "copies"
     return "other"
 

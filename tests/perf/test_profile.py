@@ -24,6 +24,12 @@ HLO = """HloModule jit_step, entry_computation_layout={(f32[8,8]{1,0})->f32[8,8]
   ROOT %c = f32[8,8]{1,0} copy(%t)
 }
 
+%fused_transpose_silu (p0: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %t = f32[8,8]{0,1} transpose(%p0), dimensions={1,0}
+  ROOT %m = f32[8,8]{1,0} multiply(%t, %t)
+}
+
 %fused_softmax (p0: f32[8,8]) -> f32[8] {
   %p0 = f32[8,8]{1,0} parameter(0)
   %e = f32[8,8]{1,0} exponential(%p0)
@@ -41,9 +47,12 @@ ENTRY %main.9 (x: f32[8,8]) -> f32[8,8] {
   %x = f32[8,8]{1,0} parameter(0)
   %mm = f32[8,8]{1,0} fusion(%x, %x), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/mlp/dot_general"}
   %scores = f32[8,8]{1,0} fusion(%x, %x), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/layer/attention/dot_general"}
+  %dscores = f32[8,8]{1,0} fusion(%x, %x), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/transpose(jvp(attention))/dot_general"}
+  %notattn = f32[8,8]{1,0} fusion(%x, %x), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/self_attention_out/dot_general"}
   %i0 = s32[] constant(0)
   %mv = f32[8,8]{1,0} fusion(%mm, %i0), kind=kLoop, calls=%fused_move
   %sm = f32[8]{0} fusion(%mv), kind=kLoop, calls=%fused_softmax
+  %ts = f32[8,8]{1,0} fusion(%mv), kind=kLoop, calls=%fused_transpose_silu
   %ar = f32[8,8]{1,0} all-reduce(%mv), replica_groups={}, to_apply=%add
   %cb = f32[8]{0} custom-call(%sm), custom_call_target="xla_python_cpu_callback"
   %ew = f32[8,8]{1,0} multiply(%ar, %ar)
@@ -56,7 +65,10 @@ def test_each_instruction_falls_in_its_group():
     groups = op_groups([HLO])
     assert groups["mm"] == "matmul"
     assert groups["scores"] == "attention"  # the named scope wins over the dot inside
+    assert groups["dscores"] == "attention"  # and its gradient
+    assert groups["notattn"] == "matmul"  # a scope only named like it is not it
     assert groups["mv"] == "copies"  # a transpose and a copy (scalar index arithmetic aside)
+    assert groups["ts"] == "copies"  # a layout change with arithmetic fused in
     assert groups["sm"] == "reductions"
     assert groups["ar"] == "collectives" and groups["cb"] == "host"
     assert groups["ew"] == "other"
