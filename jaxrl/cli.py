@@ -19,6 +19,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -260,15 +261,34 @@ def _describe(e: BaseException) -> tuple[int | None, str]:
             f"between the processes failed ({type(e).__name__}: "
             f"{escape(str(e).splitlines()[0][:300])}); another process has probably died: see "
             f"its output")
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if (full := _disk_full(e)) is not None:
+        what, why = full
         return EXIT_TRAINING_FAILED, (f"[bold red]error[/]: the disk is full: writing "
-                                      f"{escape(str(e.filename or '?'))} failed "
-                                      f"({escape(e.strerror or str(e))}); free space and run "
-                                      f"the same command again (a run resumes from its last "
-                                      f"checkpoint)")
+                                      f"{escape(what)} failed ({escape(why)}); free space and "
+                                      f"run the same command again (a run resumes from its "
+                                      f"last checkpoint)")
     return EXIT_TRAINING_FAILED, (f"[bold red]error[/]: {type(e).__name__}: "
                                   f"{escape(str(e).strip()[:2000])} (rerun with --debug or "
                                   f"{DEBUG_ENV}=1 for the traceback)")
+
+
+_DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded|\[Errno (?:28|122)\]"
+                        r"|OS error (?:28|122)\b")
+
+
+def _disk_full(e: BaseException) -> tuple[str, str] | None:
+    """(what was written, why) when `e` or an exception it came from is a full disk: an
+    OSError with ENOSPC / EDQUOT, or (orbax's asynchronous saves, tensorstore) an error whose
+    text says so; None otherwise."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return str(e.filename or "?"), e.strerror or str(e)
+        if _DISK_FULL.search(str(e)):
+            return "a checkpoint or a log", str(e).strip().splitlines()[0][:300]
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class _ErrorConsole:

@@ -60,6 +60,14 @@ def test_broken_checkpoint_exits_2_naming_the_tensor(tmp_path, capsys):
     assert "model.norm.weight" in capsys.readouterr().err
 
 
+def _raised_from(error: BaseException, cause: BaseException) -> BaseException:
+    """`error` as `raise error from cause` leaves it."""
+    try:
+        raise error from cause
+    except BaseException as e:
+        return e
+
+
 def _failing(monkeypatch, error: BaseException) -> None:
     """Makes `jaxrl check` raise `error` (as a bug, a Ctrl-C or a full disk would)."""
     import jaxrl.cli as cli
@@ -78,6 +86,14 @@ def _failing(monkeypatch, error: BaseException) -> None:
      ["the disk is full", "/runs/x/metrics.jsonl", "resumes from its last checkpoint"]),
     (PermissionError(13, "Permission denied", "/runs/x"), 2,
      ["permission denied: /runs/x"]),
+    # An asynchronous checkpoint save (orbax, tensorstore) reports a full disk as text, or
+    # re-raises it from the OSError.
+    (ValueError("INTERNAL: Error writing local file \"/runs/x/checkpoints/7/d/0\": "
+                "[OS error 28: No space left on device]"), 1,
+     ["the disk is full", "a checkpoint or a log", "OS error 28", "resumes from its last"]),
+    (_raised_from(RuntimeError("save failed"),
+                  OSError(28, "No space left on device", "/runs/x/checkpoints/3")), 1,
+     ["the disk is full: writing /runs/x/checkpoints/3 failed"]),
 ])
 def test_every_failure_is_one_line_and_an_exit_status(monkeypatch, capsys, error, status, words):
     _failing(monkeypatch, error)
