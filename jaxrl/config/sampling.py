@@ -65,9 +65,10 @@ class RolloutSection(SamplingSection):
         require_at_least("rollout", self, ("num_generations", "max_new_tokens", "page_size"))
         require_at_least("rollout", self, ("max_slots", "kv_pages"), 1, " or null")
         require_at_least("rollout", self, ("min_slots",), 2, " or null")
-        if self.min_slots is not None and self.batching == "static":
-            raise ValueError(f"rollout.min_slots={self.min_slots} shrinks continuous batching's "
-                             f"slots; with rollout.batching=static expected null")
+        try:
+            self.engine_config()  # the engine's own checks of how its settings combine
+        except ValueError as e:
+            raise ValueError(f"rollout.{e}") from None
         if self.ignore_eos and self.stop_token_ids:
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")

@@ -90,25 +90,27 @@ def op_groups(hlo_texts: list[str]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for text in hlo_texts:
         computations = parse_hlo(text)
+        memo: dict[str, frozenset[str]] = {}
         for comp in computations.values():
             for name, inst in comp.items():
-                inside = set().union(*(_opcodes(computations, c) for c in inst.calls))
+                inside = set().union(*(_opcodes(computations, c, memo) for c in inst.calls))
                 out.setdefault(name, _group(inst, inside))
     return out
 
 
 def _opcodes(computations: dict[str, dict[str, Instruction]], name: str,
-             seen: frozenset[str] = frozenset()) -> set[str]:
-    """The opcodes of array results in computation `name` and what it calls, transitively."""
-    if name in seen or name not in computations:
-        return set()
-    found = set()
-    for inst in computations[name].values():
-        if not inst.scalar:
-            found.add(inst.opcode)
-        for callee in inst.calls:
-            found |= _opcodes(computations, callee, seen | {name})
-    return found
+             memo: dict[str, frozenset[str]]) -> frozenset[str]:
+    """The opcodes of array results in computation `name` and what it calls, transitively
+    (HLO's call graph has no cycles; each computation is walked once)."""
+    if name not in memo:
+        found = set()
+        for inst in computations.get(name, {}).values():
+            if not inst.scalar:
+                found.add(inst.opcode)
+            for callee in inst.calls:
+                found |= _opcodes(computations, callee, memo)
+        memo[name] = frozenset(found)
+    return memo[name]
 
 
 def _group(inst: Instruction, inside: set[str]) -> str | None:

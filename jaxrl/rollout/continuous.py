@@ -58,8 +58,8 @@ class EngineConfig:
         if self.min_slots is not None and self.min_slots < 2:
             raise ValueError(f"min_slots must be >= 2 or None, got {self.min_slots}")
         if self.min_slots is not None and self.batching == "static":
-            raise ValueError("min_slots shrinks continuous batching's slots; with static "
-                             f"batching it must be None, got {self.min_slots}")
+            raise ValueError(f"min_slots={self.min_slots} shrinks continuous batching's "
+                             f"slots; with batching=static expected None")
         if self.attention not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got "
                              f"{self.attention!r}")
