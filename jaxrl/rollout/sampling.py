@@ -9,6 +9,11 @@ Top-k keeps the tokens whose logit is at least the k-th largest; top-p keeps the
 prefix of the tokens sorted by probability whose mass reaches p (the most likely token is
 always kept). Filtered tokens get -inf, so they can never be drawn. Greedy decoding samples
 from a point mass: its `logp` is 0.
+
+Vocabulary-wide work per decode step only where the settings need it: top-k runs only when
+set, a sort of the vocabulary only for top-p without top-k (after top-k, top-p reads the k
+values top-k returns sorted), and one log-softmax serves both log-probs when temperature 1
+and no filter leave the logits as they are (`unchanged`).
 """
 
 from __future__ import annotations
@@ -46,18 +51,34 @@ def process_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
     if params.greedy:
         return logits_BxV
     logits_BxV = logits_BxV / params.temperature
+    sorted_BxK = None
     if params.top_k is not None and params.top_k < logits_BxV.shape[-1]:
-        kth_B1 = jax.lax.top_k(logits_BxV, params.top_k)[0][:, -1:]
-        logits_BxV = jnp.where(logits_BxV >= kth_B1, logits_BxV, -jnp.inf)
+        sorted_BxK = jax.lax.top_k(logits_BxV, params.top_k)[0]
+        logits_BxV = jnp.where(logits_BxV >= sorted_BxK[:, -1:], logits_BxV, -jnp.inf)
     if params.top_p is not None and params.top_p < 1:
-        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-        # Mass strictly before each sorted token; keep it while that mass is still < p.
-        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-        keep_BxV = before_BxV < params.top_p
-        threshold_B1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-        logits_BxV = jnp.where(logits_BxV >= threshold_B1, logits_BxV, -jnp.inf)
+        if sorted_BxK is None:
+            sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+            return _top_p_mask(logits_BxV, sorted_BxV, params.top_p, 0.0)
+        # After top-k every kept logit is one of the k sorted ones or ties the k-th, so top-p
+        # needs no sort of the vocabulary: the ties beyond k join the normaliser, and never
+        # move the threshold (a kept tie means the k-th, of the same value, is kept).
+        ties_B1 = jnp.sum(jnp.isfinite(logits_BxV), -1, keepdims=True) - params.top_k
+        rest_B1 = ties_B1 * jnp.exp(sorted_BxK[:, -1:] - sorted_BxK[:, :1])
+        return _top_p_mask(logits_BxV, sorted_BxK, params.top_p, rest_B1)
     return logits_BxV
+
+
+def _top_p_mask(logits_BxV: jax.Array, sorted_BxN: jax.Array, p: float,
+                rest_B1: jax.Array | float) -> jax.Array:
+    """Top-p of `logits_BxV` from its N largest values, sorted descending; `rest_B1`: the sum
+    of exp(l - max) over the kept logits beyond those N (their share of the normaliser)."""
+    exp_BxN = jnp.exp(sorted_BxN - sorted_BxN[:, :1])
+    probs_BxN = exp_BxN / (jnp.sum(exp_BxN, axis=-1, keepdims=True) + rest_B1)
+    # Mass strictly before each sorted token; keep it while that mass is still < p.
+    before_BxN = jnp.cumsum(probs_BxN, axis=-1) - probs_BxN
+    threshold_B1 = jnp.min(jnp.where(before_BxN < p, sorted_BxN, jnp.inf), axis=-1,
+                           keepdims=True)
+    return jnp.where(logits_BxV >= threshold_B1, logits_BxV, -jnp.inf)
 
 
 def sample_tokens(keys_B: jax.Array, logits_BxV: jax.Array,

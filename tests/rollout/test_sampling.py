@@ -193,3 +193,20 @@ def test_the_sampled_distribution_is_the_models_only_when_nothing_changes_it():
     assert not unchanged(SamplingParams(1.0, top_p=0.9), VOCAB)
     _, logp_B, logp_raw_B = _draw(0, _random_logits(0), SamplingParams(1.0))
     np.testing.assert_array_equal(logp_B, logp_raw_B)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k, p", [(1, 0.5), (3, 0.9), (10, 0.7), (VOCAB - 1, 0.95)])
+def test_top_p_after_top_k_sorts_only_the_k_and_keeps_the_same_tokens(seed, k, p):
+    """Top-p from top-k's k sorted values (ties of the k-th in the normaliser) keeps exactly
+    what top-p over the whole sorted, top-k-filtered vocabulary keeps; no vocabulary sort."""
+    logits_RxV = jnp.asarray(_random_logits(seed))
+    params = SamplingParams(0.7, top_k=k, top_p=p)
+    both_RxV = _process(logits_RxV, params)
+    top_k_RxV = _process(logits_RxV, SamplingParams(0.7, top_k=k))
+    reference_RxV = _process(top_k_RxV, SamplingParams(1.0, top_p=p))
+    np.testing.assert_array_equal(np.isfinite(both_RxV), np.isfinite(reference_RxV))
+    np.testing.assert_array_equal(np.asarray(both_RxV)[np.isfinite(both_RxV)],
+                                  np.asarray(reference_RxV)[np.isfinite(reference_RxV)])
+    lowered = jax.jit(process_logits, static_argnums=1).lower(logits_RxV, params).as_text()
+    assert "stablehlo.sort" not in lowered  # top_k is its own op (a kernel on GPU/TPU)
