@@ -28,6 +28,13 @@ depend on it), as in `jax.nn.logsumexp`. Peak memory is O(B·T·C + E·V) instea
 All outputs are float32 whatever the input dtype: the matmul runs in the inputs' dtype
 (bf16 on accelerators) and accumulates in float32 (`preferred_element_type`), and the
 softmax statistics are float32, so chunked and unchunked results agree to float32 rounding.
+
+No fused kernel replaces this path: tokamax 0.0.12's `linear_softmax_cross_entropy_loss(x
+[N, H], labels [N], weights [H, V], *, reduction: "sum" | "mean") -> scalar` returns only the
+reduced loss (its per-token log-sum-exp stays a private residual, its backward takes a scalar
+cotangent; no entropy, no temperature), while the policy loss weights each token's log-prob
+and entropy; its implementations are an XLA reference that holds the [N, V] logits (the one
+that runs on CPU and GPU) and a Pallas Mosaic kernel for TPU v5+ (`benchmarks/logprobs.py`).
 """
 
 from __future__ import annotations
