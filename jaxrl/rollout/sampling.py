@@ -88,7 +88,7 @@ def sample_tokens(keys_B: jax.Array, logits_BxV: jax.Array,
     if params.greedy:
         token_B = jnp.argmax(processed_BxV, axis=-1)
     else:
-        token_B = jax.vmap(jax.random.categorical)(keys_B, processed_BxV)
+        token_B = categorical(keys_B, processed_BxV)
     token_B = token_B.astype(jnp.int32)
     logp_raw_B = _take(jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1), token_B)
     if params.greedy:
@@ -98,6 +98,21 @@ def sample_tokens(keys_B: jax.Array, logits_BxV: jax.Array,
     else:
         logp_B = _take(jax.nn.log_softmax(processed_BxV, axis=-1), token_B)
     return token_B, logp_B, logp_raw_B
+
+
+def categorical(keys_B: jax.Array, logits_BxV: jax.Array) -> jax.Array:
+    """token[b] = argmax_v(logits[b, v] + g[b, v]), g ~ Gumbel(0, 1) from row b's key: a draw
+    from softmax(logits[b]), the same token `jax.random.categorical` draws with that key.
+
+    The argmax is a max, then the first index holding it: XLA:CPU fuses the noise into
+    argmax's (value, index) reduction and runs that 3-4x slower than the two plain reductions
+    (64 x 4096 logits: 19 ms against 5 ms a decode step, 2026-12-02)."""
+    noisy_BxV = logits_BxV + jax.vmap(
+        lambda key: jax.random.gumbel(key, logits_BxV.shape[1:], logits_BxV.dtype))(keys_B)
+    max_B1 = jnp.max(noisy_BxV, axis=-1, keepdims=True)
+    vocab = logits_BxV.shape[-1]
+    first_B = jnp.min(jnp.where(noisy_BxV == max_B1, jnp.arange(vocab), vocab), axis=-1)
+    return jnp.minimum(first_B, vocab - 1)  # a NaN row matches nowhere: the last token
 
 
 def unchanged(params: SamplingParams, vocab_size: int) -> bool:

@@ -210,3 +210,16 @@ def test_top_p_after_top_k_sorts_only_the_k_and_keeps_the_same_tokens(seed, k, p
                                   np.asarray(reference_RxV)[np.isfinite(reference_RxV)])
     lowered = jax.jit(process_logits, static_argnums=1).lower(logits_RxV, params).as_text()
     assert "stablehlo.sort" not in lowered  # top_k is its own op (a kernel on GPU/TPU)
+
+
+def test_categorical_draws_the_token_jax_random_categorical_draws():
+    """Same keys, same tokens: including ties (rounded rows), -inf (filtered) logits, bf16."""
+    from jaxrl.rollout.sampling import categorical
+    logits_RxV = _random_logits(7)
+    logits_RxV[1::4, ::3] = -np.inf
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(logits_RxV, dtype)
+        for seed in range(4):
+            keys = jax.random.split(jax.random.key(seed), ROWS)
+            want = jax.vmap(jax.random.categorical)(keys, x)
+            np.testing.assert_array_equal(jax.jit(categorical)(keys, x), want)
