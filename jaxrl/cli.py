@@ -32,6 +32,7 @@ from rich.markup import escape  # noqa: E402
 from jaxrl.config import ConfigError, load_config, shipped_config  # noqa: E402
 from jaxrl.models.config import UnsupportedModelError  # noqa: E402
 from jaxrl.models.hf_io import CheckpointError  # noqa: E402
+from jaxrl.perf.compiler import apply_compiler_flags  # noqa: E402
 from jaxrl.perf.memory import MemoryFitError  # noqa: E402
 from jaxrl.runtime import configure_xla  # noqa: E402
 from jaxrl.sharding.layout import LayoutError  # noqa: E402
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     configure_xla()
+    apply_compiler_flags()  # before any backend starts; JAXRL_COMPILER_FLAGS=0: off
     parser = build_parser()
     # Overrides may also follow options (`bench cfg.yaml --steps 3 a.b=1`): argparse leaves
     # positionals after an option unparsed, so they are taken back here.
