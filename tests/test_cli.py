@@ -42,7 +42,7 @@ def test_console_script_as_the_readme_runs_it():
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["ok"] is True
-    assert "layers.*.attn.q_kernel" in result.stderr and "check passed" in result.stderr
+    assert "layers.*.attn.qkv_kernel" in result.stderr and "check passed" in result.stderr
 
 
 def test_broken_checkpoint_exits_2_naming_the_tensor(tmp_path, capsys):

@@ -66,32 +66,40 @@ class PagedKV(NamedTuple):
 
 
 class Attention(nnx.Module):
-    """softmax(q k^T / sqrt(head_dim) + mask) v with num_heads / num_kv_heads query groups."""
+    """softmax(q k^T / sqrt(head_dim) + mask) v with num_heads / num_kv_heads query groups.
+
+    q, k and v come from one projection: the kernel [E, K, G+2, H] holds, for each of the K
+    kv heads, its G = N/K query heads, its key and its value (`hf_names` splits and merges
+    it at the HF boundary). Grouping by kv head keeps a kv head's queries, key and value on
+    the same shard when `kv_heads` is split over a mesh axis; where that axis does not divide
+    K (2 kv heads on a 4-way tensor axis) the whole projection is replicated over it.
+    """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         e, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        g = n // k
         self.config = config
-        self.q_kernel = param(normal(rngs, (e, n, h), config), ("embed", "heads", "head_dim"))
-        self.k_kernel = param(normal(rngs, (e, k, h), config), ("embed", "kv_heads", "head_dim"))
-        self.v_kernel = param(normal(rngs, (e, k, h), config), ("embed", "kv_heads", "head_dim"))
+        self.qkv_kernel = param(normal(rngs, (e, k, g + 2, h), config),
+                                ("embed", "kv_heads", None, "head_dim"))
         self.o_kernel = param(normal(rngs, (n, h, e), config), ("heads", "head_dim", "embed"))
         if config.qkv_bias:
-            zeros = lambda *shape: jnp.zeros(shape, config.param_dtype)  # noqa: E731
-            self.q_bias = param(zeros(n, h), ("heads", "head_dim"))
-            self.k_bias = param(zeros(k, h), ("kv_heads", "head_dim"))
-            self.v_bias = param(zeros(k, h), ("kv_heads", "head_dim"))
+            self.qkv_bias = param(jnp.zeros((k, g + 2, h), config.param_dtype),
+                                  ("kv_heads", None, "head_dim"))
         if config.o_bias:
             self.o_bias = param(jnp.zeros((e,), config.param_dtype), ("embed",))
         if config.qk_norm:
             self.q_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
             self.k_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
 
-    def _project(self, x_BxTxE, kernel, bias_name):
+    def _project(self, x_BxTxE):
+        """(q [B, T, K, G, H], k [B, T, K, H], v [B, T, K, H]) from one matmul."""
         dt = self.config.compute_dtype
-        y = jnp.einsum("bte,enh->btnh", x_BxTxE, kernel[...].astype(dt))
+        qkv_BxTxKxJxH = jnp.einsum("bte,ekjh->btkjh", x_BxTxE, self.qkv_kernel[...].astype(dt))
         if self.config.qkv_bias:
-            y = y + getattr(self, bias_name)[...].astype(dt)
-        return y
+            qkv_BxTxKxJxH = qkv_BxTxKxJxH + self.qkv_bias[...].astype(dt)
+        g = qkv_BxTxKxJxH.shape[3] - 2
+        return (qkv_BxTxKxJxH[:, :, :, :g], qkv_BxTxKxJxH[:, :, :, g],
+                qkv_BxTxKxJxH[:, :, :, g + 1])
 
     def __call__(
         self,
@@ -104,17 +112,15 @@ class Attention(nnx.Module):
         """Output, and with `cache=(k_LxBxSxKxH, v_LxBxSxKxH, layer, end)` the updated k, v;
         with `cache=PagedKV` (one token per row) the updated page pool."""
         cfg = self.config
-        q_BxTxNxH = self._project(x_BxTxE, self.q_kernel, "q_bias")
-        k_BxTxKxH = self._project(x_BxTxE, self.k_kernel, "k_bias")
-        v_BxTxKxH = self._project(x_BxTxE, self.v_kernel, "v_bias")
+        q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self._project(x_BxTxE)
         if cfg.qk_norm:
-            q_BxTxNxH = self.q_norm(q_BxTxNxH)
+            q_BxTxKxGxH = self.q_norm(q_BxTxKxGxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
-        q_BxTxNxH = constrain(apply_rope(q_BxTxNxH, positions_BxT, inv_freq_H2),
-                              ("batch", "seq", "act_heads", "head_dim"))
+        q_BxTxKxGxH = constrain(apply_rope(q_BxTxKxGxH, positions_BxT, inv_freq_H2),
+                                ("batch", "seq", "act_kv_heads", None, "head_dim"))
         k_BxTxKxH = apply_rope(k_BxTxKxH, positions_BxT, inv_freq_H2)
         if isinstance(cache, PagedKV):
-            return self._paged(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cache)
+            return self._paged(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, cache)
         new_cache = None
         if cache is not None:
             # Write into the stacked cache of all layers so XLA updates one buffer in place.
@@ -126,35 +132,63 @@ class Attention(nnx.Module):
             k_BxTxKxH = k_cache[layer].astype(cfg.compute_dtype)
             v_BxTxKxH = v_cache[layer].astype(cfg.compute_dtype)
         kv_axes = ("batch", "cache_seq" if cache is not None else "seq", "act_kv_heads", "head_dim")
-        k_BxTxKxH = constrain(k_BxTxKxH, kv_axes)
-        v_BxTxKxH = constrain(v_BxTxKxH, kv_axes)
+        k_BxSxKxH = constrain(k_BxTxKxH, kv_axes)
+        v_BxSxKxH = constrain(v_BxTxKxH, kv_axes)
         with jax.named_scope("attention"):  # how `jaxrl.perf.profile` finds it in a trace
-            out_BxTxNxH = jax.nn.dot_product_attention(
-                q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                mask=mask_BxTxS[:, None, :, :],
-                scale=cfg.head_dim ** -0.5,
-                implementation=cfg.attention_impl,
-            )
-        return self._output(out_BxTxNxH), new_cache
+            if cfg.attention_impl == "xla":
+                out_BxTxKxGxH = grouped_attention(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH,
+                                                  mask_BxTxS, cfg.head_dim ** -0.5)
+            else:
+                b, t, k, g, h = q_BxTxKxGxH.shape
+                out_BxTxKxGxH = jax.nn.dot_product_attention(
+                    q_BxTxKxGxH.reshape(b, t, k * g, h), k_BxSxKxH, v_BxSxKxH,
+                    mask=mask_BxTxS[:, None, :, :], scale=cfg.head_dim ** -0.5,
+                    implementation=cfg.attention_impl,
+                ).reshape(b, t, k, g, h)
+        return self._output(out_BxTxKxGxH), new_cache
 
-    def _output(self, out_BxTxNxH):
+    def _output(self, out_BxTxKxGxH):
         cfg = self.config
-        out_BxTxE = jnp.einsum("btnh,nhe->bte", out_BxTxNxH,
+        b, t, k, g, h = out_BxTxKxGxH.shape
+        out_BxTxE = jnp.einsum("btnh,nhe->bte", out_BxTxKxGxH.reshape(b, t, k * g, h),
                                self.o_kernel[...].astype(cfg.compute_dtype))
         if cfg.o_bias:
             out_BxTxE = out_BxTxE + self.o_bias[...].astype(cfg.compute_dtype)
         return out_BxTxE
 
-    def _paged(self, q_Sx1xNxH, k_Sx1xKxH, v_Sx1xKxH, paged: PagedKV):
+    def _paged(self, q_Sx1xKxGxH, k_Sx1xKxH, v_Sx1xKxH, paged: PagedKV):
         """One token per slot: write its k/v into its page, attend over its live pages."""
-        if q_Sx1xNxH.shape[1] != 1:
+        if q_Sx1xKxGxH.shape[1] != 1:
             raise ValueError(f"paged attention decodes one token per row, got "
-                             f"{q_Sx1xNxH.shape[1]}")
+                             f"{q_Sx1xKxGxH.shape[1]}")
+        s, _, k, g, h = q_Sx1xKxGxH.shape
         kv_pages = write_token_kv(paged.kv_pages, paged.layer, k_Sx1xKxH[:, 0], v_Sx1xKxH[:, 0],
                                   paged.write_page_S, paged.write_offset_S)
         with jax.named_scope("attention"):
             out_SxNxH = ragged_decode_attention(
-                q_Sx1xNxH[:, 0], kv_pages, paged.layer, paged.page_table_SxM, paged.length_S,
-                scale=self.config.head_dim ** -0.5, sliding_window=self.config.sliding_window,
+                q_Sx1xKxGxH.reshape(s, k * g, h), kv_pages, paged.layer, paged.page_table_SxM,
+                paged.length_S, scale=self.config.head_dim ** -0.5,
+                sliding_window=self.config.sliding_window,
                 pages_per_block=paged.pages_per_block, impl=paged.impl)
-        return self._output(out_SxNxH[:, None].astype(self.config.compute_dtype)), kv_pages
+        out_Sx1xKxGxH = out_SxNxH.reshape(s, 1, k, g, h).astype(self.config.compute_dtype)
+        return self._output(out_Sx1xKxGxH), kv_pages
+
+
+def grouped_attention(q_BxTxKxGxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+                      mask_BxTxS: jax.Array, scale: float) -> jax.Array:
+    """out[b, t, k, g] = sum_s softmax_s(scale · q[b, t, k, g] · k[b, s, k] | mask) v[b, s, k].
+
+    The XLA path, in the grouped layout the projection produces (no reshape of q to N heads
+    and back); the numbers of `jax.nn.dot_product_attention`'s XLA path: scores and softmax
+    in float32, masked scores at a large finite negative (a fully masked row would be
+    uniform, never NaN; callers keep the diagonal), the weighted sum in the values' dtype.
+    """
+    scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                                  preferred_element_type=jnp.float32) * scale
+    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
+                                 _MASKED_SCORE)
+    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxH)
+
+
+_MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)  # jax.nn's: exp underflows to 0

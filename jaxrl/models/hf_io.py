@@ -96,8 +96,10 @@ def from_pretrained(
         # Check every tensor before reading any, so a bad checkpoint fails fast.
         for name, (_, variable) in zip(names, variables, strict=True):
             shape = variable.shape[1:] if name.stacked else variable.shape
-            for hf_name in name.hf_names():
-                checkpoint.check(hf_name, hf_names.hf_shape(name.kind, shape))
+            for parts in name.hf_names():
+                for hf_name, hf_shape in zip(parts, hf_names.hf_shapes(name.kind, shape),
+                                             strict=True):
+                    checkpoint.check(hf_name, hf_shape)
         loaded = [
             (p, variable.replace(_load(checkpoint, name, variable.shape, sharding.get_value(),
                                        config)))
@@ -128,14 +130,16 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     for p, variable in variables:
         name = hf_names.param_name(p, config.num_layers)
         shape = variable.shape[1:] if name.stacked else variable.shape
-        nbytes = math.prod(shape) * dtype.itemsize
-        for hf_name in name.hf_names():
-            if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
-                shards.append([])
-                shard_bytes = 0
-            shards[-1].append(hf_name)
-            shard_bytes += nbytes
-            total_bytes += nbytes
+        part_shapes = hf_names.hf_shapes(name.kind, shape)
+        for parts in name.hf_names():
+            for hf_name, part_shape in zip(parts, part_shapes, strict=True):
+                nbytes = math.prod(part_shape) * dtype.itemsize
+                if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+                    shards.append([])
+                    shard_bytes = 0
+                shards[-1].append(hf_name)
+                shard_bytes += nbytes
+                total_bytes += nbytes
     if len(shards) == 1:
         files = [SINGLE_FILE]
     else:
@@ -160,8 +164,9 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
         name = hf_names.param_name(p, config.num_layers)
         x = _to_host(variable.get_value()).astype(dtype)
         per_layer = list(x) if name.stacked else [x]
-        for hf_name, array in zip(name.hf_names(), per_layer, strict=True):
-            pending[hf_name] = np.ascontiguousarray(hf_names.to_hf(name.kind, array))
+        for parts, array in zip(name.hf_names(), per_layer, strict=True):
+            for hf_name, part in zip(parts, hf_names.to_hf(name.kind, array), strict=True):
+                pending[hf_name] = np.ascontiguousarray(part)
         while done < len(shards) and all(n in pending for n in shards[done]):
             tensors = {n: pending.pop(n) for n in shards[done]}
             if writer:
@@ -260,9 +265,10 @@ def _load(checkpoint: _Checkpoint, name: hf_names.ParamName, shape: tuple[int, .
     dtype = jnp.dtype(config.param_dtype)
     hf = name.hf_names()
 
-    def layer_slice(hf_name: str, index: hf_names.Index) -> np.ndarray:
-        return hf_names.to_ours(name.kind, functools.partial(checkpoint.read, hf_name), index,
-                                config.head_dim)
+    def layer_slice(parts: tuple[str, ...], index: hf_names.Index) -> np.ndarray:
+        reads = tuple(functools.partial(checkpoint.read, part) for part in parts)
+        return hf_names.to_ours(name.kind, reads, index, config.head_dim,
+                                config.num_heads // config.num_kv_heads)
 
     # Devices that hold the same slice (replication) share one read. Each distinct slice is
     # read, put on its devices and dropped before the next is read, so the host holds one

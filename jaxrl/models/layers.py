@@ -36,34 +36,36 @@ class RMSNorm(nnx.Module):
         return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array,
+def apply_rope(x_BxTx_xH: jax.Array, positions_BxT: jax.Array,
                inv_freq_H2: jax.Array) -> jax.Array:
-    """Rotary embedding in the half-split convention of transformers' `rotate_half`.
+    """Rotary embedding in the half-split convention of transformers' `rotate_half`, on
+    [B, T, (head axes...), H].
 
     With angle_{t,i} = position_t * inv_freq_i and x = [x1, x2] split in halves:
     y = [x1 cos - x2 sin, x2 cos + x1 sin].
     """
     angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq_H2
-    cos = jnp.cos(angles_BxTxH2)[:, :, None, :]
-    sin = jnp.sin(angles_BxTxH2)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    heads = (1,) * (x_BxTx_xH.ndim - 3)
+    angles = angles_BxTxH2.reshape(*angles_BxTxH2.shape[:2], *heads, -1)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x_BxTx_xH.astype(jnp.float32), 2, axis=-1)
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return y.astype(x_BxTxNxH.dtype)
+    return y.astype(x_BxTx_xH.dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), gate and up as one [E, 2, F] kernel (one
+    matmul of 2F columns instead of two of F; split at the HF boundary, `hf_names`)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         e, f = config.hidden_size, config.intermediate_size
-        self.gate = param(normal(rngs, (e, f), config), ("embed", "mlp"))
-        self.up = param(normal(rngs, (e, f), config), ("embed", "mlp"))
+        self.gate_up = param(normal(rngs, (e, 2, f), config), ("embed", None, "mlp"))
         self.down = param(normal(rngs, (f, e), config), ("mlp", "embed"))
         self.dtype = config.compute_dtype
 
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate_BxTxF = jnp.einsum("bte,ef->btf", x_BxTxE, self.gate[...].astype(dt))
-        up_BxTxF = jnp.einsum("bte,ef->btf", x_BxTxE, self.up[...].astype(dt))
+        gate_up_BxTx2xF = jnp.einsum("bte,ecf->btcf", x_BxTxE, self.gate_up[...].astype(dt))
+        gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
         h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "seq", "act_mlp"))
         return jnp.einsum("btf,fe->bte", h_BxTxF, self.down[...].astype(dt))

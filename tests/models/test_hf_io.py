@@ -165,7 +165,8 @@ def test_load_onto_mesh_matches_unsharded(scan_layers, hf_checkpoint):
     expected = {
         "embed": (state["embed"], PartitionSpec("tensor", "fsdp")),
         "lm_head": (state["lm_head"], PartitionSpec("fsdp", "tensor")),
-        "q_kernel": (layer["attn"]["q_kernel"], PartitionSpec(*lead, "fsdp", "tensor")),
+        "qkv_kernel": (layer["attn"]["qkv_kernel"], PartitionSpec(*lead, "fsdp", "tensor")),
+        "gate_up": (layer["mlp"]["gate_up"], PartitionSpec(*lead, "fsdp", None, "tensor")),
         "o_kernel": (layer["attn"]["o_kernel"], PartitionSpec(*lead, "tensor", None, "fsdp")),
         "down": (layer["mlp"]["down"], PartitionSpec(*lead, "tensor", "fsdp")),
         "final_norm": (state["final_norm"]["scale"], PartitionSpec("fsdp")),
@@ -196,9 +197,11 @@ def test_every_slice_reads_the_right_values(family, scan_layers, hf_checkpoint):
                                     "layers": "tensor"})
     path = hf_checkpoint(family)
     sharded = from_pretrained(path, mesh=mesh, rules=rules, scan_layers=scan_layers)
-    q_kernel = (sharded.layers if scan_layers else sharded.layers[0]).attn.q_kernel
+    layer = sharded.layers if scan_layers else sharded.layers[0]
     lead = ("tensor", None) if scan_layers else ("tensor",)
-    assert q_kernel.get_value().sharding.spec == PartitionSpec(*lead, "data", "fsdp")
+    assert layer.attn.qkv_kernel.get_value().sharding.spec == PartitionSpec(
+        *lead, "data", None, "fsdp")
+    assert layer.mlp.gate_up.get_value().sharding.spec == PartitionSpec(*lead, None, "data")
     _assert_same_params(from_pretrained(path, scan_layers=scan_layers), sharded)
 
 
@@ -228,7 +231,8 @@ def test_each_distinct_slice_is_read_once(hf_checkpoint, monkeypatch):
 def test_scan_layers_round_trip(hf_checkpoint, tmp_path):
     path = hf_checkpoint("qwen3")
     scanned = from_pretrained(path, scan_layers=True)
-    assert scanned.layers.attn.q_kernel.get_value().shape == (2, 32, 4, 16)
+    # [layers, E, K, G + 2, H]: 2 kv heads, each with its 2 query heads, key and value.
+    assert scanned.layers.attn.qkv_kernel.get_value().shape == (2, 32, 2, 4, 16)
     save_pretrained(scanned, tmp_path)
     assert load_file(tmp_path / "model.safetensors").keys() == load_file(
         hf_checkpoint("qwen3") / "model.safetensors").keys()
