@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR                 # GPU: benchmarks/gpu_qwen2_1.5b.yaml
 #   bash benchmarks/gpu_check.sh OUT_DIR --tiny          # CPU: the same config, quickstart-sized
 #   ... [--steps N] [--warmup W] [dotted.key=value ...]  # bench options / config overrides
+#   ... --compiler-ab    # then the same bench without jaxrl's XLA flags (JAXRL_COMPILER_FLAGS=0)
 #
 # Steps: (1) an installed jaxrl is used only if it is this tree, else the source tree goes on
 # PYTHONPATH; wheels in $GPU_CHECK_WHEELS (default <repo>/.whl) are installed offline into a
@@ -21,14 +22,21 @@
 #
 # Exit status: 0 ok, 2 usage, 3 environment (dependency missing, no GPU), 124 timed out,
 # else the bench's own status. $PYTHON picks the interpreter (default python3).
+#
+# --compiler-ab: the A/B of jaxrl/perf/compiler.py's flags for this platform (A: the bench
+# above, flags on) against none (B: a second bench, JAXRL_COMPILER_FLAGS=0, no FLOP count).
+# B gets $GPU_CHECK_AB_BUDGET_S seconds (default 200; 120 with --tiny) of the budget, which
+# grows to 570 s by default (300 with --tiny); OUT_DIR also gets bench_no_compiler_flags.json
+# and summary.md a table of both.
 set -uo pipefail
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 
-OUT="" TINY=0 STEPS="" WARMUP="" EXTRA=()
+OUT="" TINY=0 AB=0 STEPS="" WARMUP="" EXTRA=()
 while (($#)); do
   case "$1" in
     --tiny) TINY=1 ;;
+    --compiler-ab) AB=1 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
     --warmup) WARMUP="${2:?--warmup needs a number}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -47,7 +55,8 @@ CONFIG=benchmarks/gpu_qwen2_1.5b.yaml
 if ((TINY)); then
   MODE="tiny (CPU)"
   export JAX_PLATFORMS=cpu
-  BUDGET="${GPU_CHECK_BUDGET_S:-240}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-$((AB ? 300 : 240))}"
+  AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-120}"
   STEPS="${STEPS:-2}" WARMUP="${WARMUP:-1}"
   # The quickstart's model size and a few rows. float32, no remat and whole-vocabulary
   # log-probs: the FLOP accounting then compiles one set of phase programs, not two, and the
@@ -60,7 +69,8 @@ if ((TINY)); then
              algo.microbatch_size=8 data.num_prompts=256)
 else
   MODE="GPU"
-  BUDGET="${GPU_CHECK_BUDGET_S:-480}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-$((AB ? 570 : 480))}"
+  AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-200}"
   STEPS="${STEPS:-4}" WARMUP="${WARMUP:-1}"
   OVERRIDES=()
 fi
@@ -68,7 +78,7 @@ OVERRIDES+=("${EXTRA[@]}")
 
 mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
-rm -f "$OUT"/{bench.json,log.txt,summary.md,metrics.jsonl,config.yaml}
+rm -f "$OUT"/{bench.json,bench_no_compiler_flags.json,log.txt,summary.md,metrics.jsonl,config.yaml}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")" || exit 2
 START=$SECONDS
 
@@ -245,8 +255,10 @@ EOF
 status=$?
 ((status == 0)) || env_failed "$(cat "$WORK/env.json.failed" 2>/dev/null || echo "the dependency check crashed (exit $status).")"
 
-# (3) The bench, within what is left of the budget (20 s kept for the report).
-LEFT=$((BUDGET - (SECONDS - START) - 20))
+# (3) The bench, within what is left of the budget (20 s kept for the report, and B's share
+# with --compiler-ab).
+LEFT=$((BUDGET - (SECONDS - START) - 20 - (AB ? AB_BUDGET : 0)))
+say "compiler flags (jaxrl/perf/compiler.py) the bench adds: $(cd "$WORK" && "$PYTHON" -c 'from jaxrl.perf.compiler import compiler_flags_enabled, planned_flags; print(planned_flags() if compiler_flags_enabled() else "none: JAXRL_COMPILER_FLAGS is off")' 2>&1)"
 ((LEFT > 30)) || FAIL_RC=124 env_failed "only ${LEFT}s of the ${BUDGET}s budget left for the bench."
 CMD=("$PYTHON" -m jaxrl.cli bench "$CONFIG" "train.run_dir=$WORK/run" "${OVERRIDES[@]}"
      --steps "$STEPS" --warmup "$WARMUP")
@@ -435,5 +447,47 @@ sys.exit(0 if bench is not None else 1)
 EOF
 REPORT_RC=$?
 ((BENCH_RC == 0 && REPORT_RC != 0)) && BENCH_RC=$REPORT_RC
+
+# (5) --compiler-ab: B, the same bench without jaxrl's compiler flags (the user's own
+# XLA_FLAGS stay), after A; the step times are compared, so B skips the FLOP count.
+if ((AB && BENCH_RC == 0)); then
+  LEFT=$((BUDGET - (SECONDS - START) - 10))
+  CMD_B=("$PYTHON" -m jaxrl.cli bench "$CONFIG" "train.run_dir=$WORK/run_b" "${OVERRIDES[@]}"
+         perf.count_flops=false --steps "$STEPS" --warmup "$WARMUP")
+  say "compiler A/B: B without jaxrl's flags (timeout ${LEFT}s): JAXRL_COMPILER_FLAGS=0 ${CMD_B[*]}"
+  JAXRL_COMPILER_FLAGS=0 PYTHONUNBUFFERED=1 timeout --kill-after=15 "$LEFT" "${CMD_B[@]}" \
+    2>&1 >"$WORK/stdout_b.txt" | stamp
+  B_RC=${PIPESTATUS[0]}
+  say "compiler A/B: B exited with status $B_RC"
+  "$PYTHON" - "$OUT" "$WORK/stdout_b.txt" "$B_RC" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out, stdout_b, rc = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+a = json.loads((out / "bench.json").read_text())
+try:
+    b = json.loads(stdout_b.read_text().strip().splitlines()[-1]) if rc == 0 else None
+except (IndexError, ValueError):
+    b = None
+lines = ["", "## XLA compiler flags: A (jaxrl/perf/compiler.py's set) vs B (none)", ""]
+if b is None:
+    lines.append(f"B did not finish (exit {rc}); see log.txt.")
+else:
+    (out / "bench_no_compiler_flags.json").write_text(json.dumps(b, indent=1) + "\n")
+    lines += ["| metric | A: flags | B: none | B / A |", "|---|---|---|---|"]
+    for key in ("step_s", "step_s_min", "generate_s", "train_s", "decode_tokens_per_s",
+                "tokens_per_s", "peak_memory_bytes", "compile_s"):
+        va, vb = a.get(key), b.get(key)
+        ratio = f"{vb / va:.3f}" if va and vb is not None else "n/a"
+        lines.append(f"| `{key}` | {'n/a' if va is None else f'{va:.6g}'} | "
+                     f"{'n/a' if vb is None else f'{vb:.6g}'} | {ratio} |")
+    lines += ["", "A ran first, then B, in one sitting; B skipped the FLOP count (step times "
+              "do not include it). A's flags: the `compiler flags` line of log.txt."]
+with open(out / "summary.md", "a") as f:
+    f.write("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+fi
 say "done in $((SECONDS - START))s: $OUT ($(cd "$OUT" && ls | tr '\n' ' '))"
 exit "$BENCH_RC"
