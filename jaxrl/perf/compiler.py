@@ -9,8 +9,8 @@ in the variable (either value) is the user's and is kept, so calling it twice ad
 must be in place before any config is read, for every command alike).
 
 Only the tables of platforms this process can run on are applied, decided without starting
-a backend (`platforms()`): JAX_PLATFORMS when set, else CPU plus GPU when a CUDA/ROCm plugin
-is installed plus TPU when libtpu is. The reason not to apply all three at once: an unknown
+a backend (`platforms()`): JAX_PLATFORMS when set, else CPU, plus GPU when a CUDA/ROCm plugin
+is installed, plus TPU when libtpu is. The reason not to apply all three at once: an unknown
 flag in XLA_FLAGS aborts the process ("Unknown flag in XLA_FLAGS", checked with jaxlib
 0.10.2), so a GPU flag that a later jaxlib drops must not take CPU runs down with it.
 tests/perf/test_compiler.py runs the CPU and GPU tables through this machine's jaxlib.
@@ -22,10 +22,9 @@ Nothing here may change numerics (no fast-math, no NaN-dropping min/max).
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
-import re
+import pkgutil
 
 OFF_ENV = "JAXRL_COMPILER_FLAGS"
 FLAGS_ENV = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
@@ -73,7 +72,7 @@ TPU_FLAGS: tuple[str, ...] = (
 TABLES = {"cpu": CPU_FLAGS, "gpu": GPU_FLAGS, "tpu": TPU_FLAGS}
 # JAX_PLATFORMS names -> the table that serves them.
 _PLATFORM_NAMES = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}
-_GPU_PLUGIN = re.compile(r"jax[-_](cuda|rocm)\d+[-_]plugin")
+_GPU_PLUGINS = ("xla_cuda", "xla_rocm")  # jax_plugins.xla_cuda12, ..._cuda13, ..._rocm7
 
 
 def platforms() -> tuple[str, ...]:
@@ -84,8 +83,12 @@ def platforms() -> tuple[str, ...]:
         names = (_PLATFORM_NAMES.get(p.strip().lower()) for p in requested.split(","))
         return tuple(dict.fromkeys(n for n in names if n))
     found = ["cpu"]
-    if any(_GPU_PLUGIN.fullmatch((d.metadata["Name"] or "").lower())
-           for d in importlib.metadata.distributions()):
+    # The PJRT plugins JAX would load live in the `jax_plugins` namespace package (listed
+    # without importing them, as JAX's own discovery does first).
+    plugins = importlib.util.find_spec("jax_plugins")
+    if plugins is not None and any(
+            m.name.startswith(_GPU_PLUGINS)
+            for m in pkgutil.iter_modules(plugins.submodule_search_locations or [])):
         found.append("gpu")
     if importlib.util.find_spec("libtpu") is not None:
         found.append("tpu")

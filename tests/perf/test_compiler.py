@@ -44,6 +44,15 @@ def test_platforms_without_jax_platforms_include_cpu(monkeypatch):
     assert found[0] == "cpu" and set(found) <= {"cpu", "gpu", "tpu"}
 
 
+@pytest.mark.parametrize("plugin", ["xla_cuda12", "xla_cuda13", "xla_rocm7"])
+def test_an_installed_gpu_plugin_adds_gpu(monkeypatch, tmp_path, plugin):
+    (tmp_path / "jax_plugins" / plugin).mkdir(parents=True)
+    (tmp_path / "jax_plugins" / plugin / "__init__.py").write_text("raise ImportError\n")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "gpu" in platforms()  # found without importing it
+
+
 def test_each_table_goes_to_its_variable(env):
     added = apply_compiler_flags()
     assert added == {"XLA_FLAGS": [*CPU_FLAGS, *GPU_FLAGS], "LIBTPU_INIT_ARGS": list(TPU_FLAGS)}
