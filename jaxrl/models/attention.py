@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.attention_kernels import PaddedRows, cudnn_attention, splash_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
 from jaxrl.models.paged_attention import ragged_decode_attention, write_token_kv
@@ -79,7 +80,10 @@ class Attention(nnx.Module):
         e, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         g = n // k
         self.config = config
-        self.qkv_kernel = param(normal(rngs, (e, k, g + 2, h), config),
+        # Drawn as three kernels in HF's order (the random init a seed gives is unchanged).
+        q_ExKxGxH = normal(rngs, (e, n, h), config).reshape(e, k, g, h)
+        k_ExKx1xH, v_ExKx1xH = (normal(rngs, (e, k, h), config)[:, :, None] for _ in "kv")
+        self.qkv_kernel = param(jnp.concatenate([q_ExKxGxH, k_ExKx1xH, v_ExKx1xH], axis=2),
                                 ("embed", "kv_heads", None, "head_dim"))
         self.o_kernel = param(normal(rngs, (n, h, e), config), ("heads", "head_dim", "embed"))
         if config.qkv_bias:
@@ -106,11 +110,12 @@ class Attention(nnx.Module):
         x_BxTxE: jax.Array,
         positions_BxT: jax.Array,
         inv_freq_H2: jax.Array,
-        mask_BxTxS: jax.Array,
+        mask_BxTxS: jax.Array | PaddedRows,
         cache: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Output, and with `cache=(k_LxBxSxKxH, v_LxBxSxKxH, layer, end)` the updated k, v;
-        with `cache=PagedKV` (one token per row) the updated page pool."""
+        with `cache=PagedKV` (one token per row) the updated page pool. Without a cache the
+        mask may be `PaddedRows` (the rows' real tokens), which the configured kernel takes."""
         cfg = self.config
         q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self._project(x_BxTxE)
         if cfg.qk_norm:
@@ -135,17 +140,27 @@ class Attention(nnx.Module):
         k_BxSxKxH = constrain(k_BxTxKxH, kv_axes)
         v_BxSxKxH = constrain(v_BxTxKxH, kv_axes)
         with jax.named_scope("attention"):  # how `jaxrl.perf.profile` finds it in a trace
-            if cfg.attention_impl == "xla":
-                out_BxTxKxGxH = grouped_attention(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH,
-                                                  mask_BxTxS, cfg.head_dim ** -0.5)
-            else:
-                b, t, k, g, h = q_BxTxKxGxH.shape
-                out_BxTxKxGxH = jax.nn.dot_product_attention(
-                    q_BxTxKxGxH.reshape(b, t, k * g, h), k_BxSxKxH, v_BxSxKxH,
-                    mask=mask_BxTxS[:, None, :, :], scale=cfg.head_dim ** -0.5,
-                    implementation=cfg.attention_impl,
-                ).reshape(b, t, k, g, h)
+            out_BxTxKxGxH = self._attend(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS)
         return self._output(out_BxTxKxGxH), new_cache
+
+    def _attend(self, q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask):
+        """The configured kernel for the uncached forward (`mask` given as `PaddedRows`),
+        XLA's attention for a dense mask (the cached path) or where Splash cannot run."""
+        cfg, scale = self.config, self.config.head_dim ** -0.5
+        if not isinstance(mask, PaddedRows):
+            return grouped_attention(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask, scale)
+        if cfg.attention_impl == "cudnn":
+            return cudnn_attention(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask.valid_BxT,
+                                   scale=scale, sliding_window=cfg.sliding_window)
+        out_BxTxKxGxH = None
+        if cfg.attention_impl == "splash":
+            out_BxTxKxGxH = splash_attention(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask.valid_BxT,
+                                             scale=scale, sliding_window=cfg.sliding_window)
+        if out_BxTxKxGxH is None:
+            out_BxTxKxGxH = grouped_attention(
+                q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH,
+                causal_mask(mask.valid_BxT, cfg.sliding_window), scale)
+        return out_BxTxKxGxH
 
     def _output(self, out_BxTxKxGxH):
         cfg = self.config

@@ -59,7 +59,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         e, f = config.hidden_size, config.intermediate_size
-        self.gate_up = param(normal(rngs, (e, 2, f), config), ("embed", None, "mlp"))
+        # Drawn as gate then up (the random init a seed gives is unchanged).
+        self.gate_up = param(jnp.stack([normal(rngs, (e, f), config) for _ in "gu"], axis=1),
+                             ("embed", None, "mlp"))
         self.down = param(normal(rngs, (f, e), config), ("mlp", "embed"))
         self.dtype = config.compute_dtype
 
