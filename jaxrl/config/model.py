@@ -25,7 +25,10 @@ class ModelSection:
     dtype: DType | None = None  # parameter dtype; None: the checkpoint's own
     compute_dtype: DType | None = None  # None: the parameter dtype
     scan_layers: bool = False
-    attention_impl: Literal["xla", "cudnn"] = "xla"
+    # The training forward's attention kernel (jaxrl/models/attention_kernels.py): "auto" is
+    # cuDNN flash attention on GPU (bf16/fp16), Splash on TPU, XLA on CPU; a kernel named for
+    # another platform is an error. The sampler's cached paths always run XLA's attention.
+    attention_impl: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     # Activation memory vs FLOPs of the backward pass: "block" keeps only each decoder
     # block's input and recomputes its forward, "save_dots" keeps the weight matmul outputs.
     remat: Literal["none", "block", "save_dots"] = "none"

@@ -12,7 +12,10 @@ import dataclasses
 import math
 from typing import Any, Literal, get_args
 
+import jax
 import jax.numpy as jnp
+
+from jaxrl.models.attention_kernels import resolve_attention_impl
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -24,7 +27,9 @@ _ARCHITECTURES = {
 }
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
-AttentionImpl = Literal["xla", "cudnn"]
+# The attention kernel of the uncached forward (`jaxrl.models.attention_kernels`): "auto" is
+# resolved when the config is made, by platform: cuDNN on GPU, Splash on TPU, XLA elsewhere.
+AttentionImpl = Literal["auto", "xla", "cudnn", "splash"]
 # What the backward pass of each decoder block recomputes instead of reading from memory
 # (the policies themselves are in transformer.py): "none" saves every intermediate,
 # "block" saves only each block's input and recomputes its whole forward, "save_dots" saves
@@ -74,7 +79,7 @@ class ModelConfig:
     param_dtype: DTypeName = "float32"
     compute_dtype: DTypeName = "float32"
     scan_layers: bool = False
-    attention_impl: AttentionImpl = "xla"
+    attention_impl: AttentionImpl = "auto"
     remat: Remat = "none"
 
     def __post_init__(self):
@@ -95,6 +100,13 @@ class ModelConfig:
         if self.remat not in get_args(Remat):
             raise ValueError(f"remat {self.remat!r} is not supported; expected one of "
                              f"{', '.join(map(repr, get_args(Remat)))}")
+        if self.attention_impl not in get_args(AttentionImpl):
+            raise ValueError(f"attention_impl {self.attention_impl!r} is not supported; expected "
+                             f"one of {', '.join(map(repr, get_args(AttentionImpl)))}")
+        if self.attention_impl == "auto":  # resolved once, for the default backend
+            object.__setattr__(self, "attention_impl", resolve_attention_impl(
+                "auto", platform=jax.default_backend(), compute_dtype=self.compute_dtype,
+                head_dim=self.head_dim))
 
     def num_params(self) -> int:
         """Parameter count, embeddings included (tied embeddings counted once)."""
@@ -115,7 +127,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, param_dtype: DTypeName = "float32",
                 compute_dtype: DTypeName = "float32", scan_layers: bool = False,
-                attention_impl: AttentionImpl = "xla", remat: Remat = "none") -> ModelConfig:
+                attention_impl: AttentionImpl = "auto", remat: Remat = "none") -> ModelConfig:
         """Builds a config from a parsed HF `config.json` plus the runtime policy."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:

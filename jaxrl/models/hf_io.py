@@ -15,6 +15,7 @@ shard's tensors are held on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl.models import hf_names
+from jaxrl.models.attention_kernels import resolve_attention_impl
 from jaxrl.models.config import AttentionImpl, ModelConfig, Remat, UnsupportedModelError
 from jaxrl.models.transformer import Transformer
 from jaxrl.sharding.rules import AxisRules, state_shardings
@@ -56,14 +58,15 @@ def from_pretrained(
     mesh: Mesh | None = None,
     rules: AxisRules | None = None,
     scan_layers: bool = False,
-    attention_impl: AttentionImpl = "xla",
+    attention_impl: AttentionImpl = "auto",
     remat: Remat = "none",
 ) -> Transformer:
     """Loads an HF model directory, each tensor straight onto its sharding under `rules`.
 
     `dtype` (parameters) defaults to the checkpoint's `torch_dtype`, `compute_dtype` to
     `dtype`. Without a mesh the model lives unsharded on `jax.local_devices()[0]`. `scan_layers`,
-    `attention_impl` and `remat` are the runtime policy of `ModelConfig`.
+    `attention_impl` and `remat` are the runtime policy of `ModelConfig`; `attention_impl` is
+    resolved for the platform of the mesh's devices (an impossible choice is a ValueError).
     """
     path = Path(path)
     if not path.is_dir():
@@ -80,6 +83,10 @@ def from_pretrained(
     compute_dtype = None if compute_dtype is None else _dtype_name(compute_dtype)
     config = _read_config(config_file, param_dtype, compute_dtype, scan_layers, attention_impl,
                           remat)
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    config = dataclasses.replace(config, attention_impl=resolve_attention_impl(
+        attention_impl, platform=platform, compute_dtype=config.compute_dtype,
+        head_dim=config.head_dim))
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     if mesh is None:

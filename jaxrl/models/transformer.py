@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.attention import Attention, PagedKV, cache_causal_mask, causal_mask
+from jaxrl.models.attention_kernels import PaddedRows
 from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
 from jaxrl.models.layers import MLP, RMSNorm, normal, param
 from jaxrl.sharding import constrain
@@ -142,8 +143,8 @@ class Transformer(nnx.Module):
         """The final-norm hidden states [B, T, E] (compute dtype) that `__call__` projects to
         logits with `output_embedding()`: for losses that never materialise [B, T, V]."""
         positions = default_positions(attention_mask)
-        mask_BxTxS = causal_mask(attention_mask, self.config.sliding_window)
-        x_BxTxE, _ = self._layers(self.embed_tokens(input_ids), positions, mask_BxTxS, None)
+        x_BxTxE, _ = self._layers(self.embed_tokens(input_ids), positions,
+                                  self._self_mask(attention_mask), None)
         return self.final_norm(x_BxTxE)
 
     def output_embedding(self) -> jax.Array:
@@ -160,9 +161,16 @@ class Transformer(nnx.Module):
     def forward_embeddings(self, x_BxTxE: jax.Array, positions_BxT: jax.Array,
                            attention_mask_BxT: jax.Array) -> jax.Array:
         """Logits from input embeddings (soft prompts, or gradients w.r.t. the inputs)."""
-        mask_BxTxS = causal_mask(attention_mask_BxT, self.config.sliding_window)
-        x_BxTxE, _ = self._layers(x_BxTxE, positions_BxT, mask_BxTxS, None)
+        x_BxTxE, _ = self._layers(x_BxTxE, positions_BxT, self._self_mask(attention_mask_BxT),
+                                  None)
         return self._logits(x_BxTxE)
+
+    def _self_mask(self, attention_mask_BxT):
+        """The uncached forward's mask: dense for XLA's attention, the rows' real tokens for
+        a kernel (`jaxrl.models.attention_kernels`)."""
+        if self.config.attention_impl == "xla":
+            return causal_mask(attention_mask_BxT, self.config.sliding_window)
+        return PaddedRows(attention_mask_BxT.astype(bool))
 
     def extend(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
                attention_mask: jax.Array | None = None, *,
