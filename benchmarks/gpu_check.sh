@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR --tiny          # CPU: the same config, quickstart-sized
 #   ... [--steps N] [--warmup W] [dotted.key=value ...]  # bench options / config overrides
 #   ... --compiler-ab    # then the same bench without jaxrl's XLA flags (JAXRL_COMPILER_FLAGS=0)
+#   ... --attention      # first: attention_impl cudnn vs xla, training fwd+bwd (gpu_attention.py)
 #
 # Steps: (1) an installed jaxrl is used only if it is this tree, else the source tree goes on
 # PYTHONPATH; wheels in $GPU_CHECK_WHEELS (default <repo>/.whl) are installed offline into a
@@ -28,15 +29,23 @@
 # B gets $GPU_CHECK_AB_BUDGET_S seconds (default 200; 120 with --tiny) of the budget, which
 # grows to 570 s by default (300 with --tiny); OUT_DIR also gets bench_no_compiler_flags.json
 # and summary.md a table of both.
+#
+# --attention: before the bench, benchmarks/gpu_attention.py checks the model's training
+# forward + backward with attention_impl cudnn against xla on left-padded bf16 rows (closeness
+# asserted, both timed; with --tiny: on CPU, the cuDNN arm's rotation through XLA's attention).
+# It gets $GPU_CHECK_ATTENTION_BUDGET_S seconds (default 150; 180 with --tiny: it compiles four
+# programs, slow on a busy CPU), added to the default budget; OUT_DIR also gets attention.json
+# and summary.md its line. A failed check makes the exit status 1 when the bench succeeded.
 set -uo pipefail
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 
-OUT="" TINY=0 AB=0 STEPS="" WARMUP="" EXTRA=()
+OUT="" TINY=0 AB=0 ATTN=0 STEPS="" WARMUP="" EXTRA=()
 while (($#)); do
   case "$1" in
     --tiny) TINY=1 ;;
     --compiler-ab) AB=1 ;;
+    --attention) ATTN=1 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
     --warmup) WARMUP="${2:?--warmup needs a number}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -55,7 +64,8 @@ CONFIG=benchmarks/gpu_qwen2_1.5b.yaml
 if ((TINY)); then
   MODE="tiny (CPU)"
   export JAX_PLATFORMS=cpu
-  BUDGET="${GPU_CHECK_BUDGET_S:-$((AB ? 300 : 240))}"
+  ATTN_BUDGET="${GPU_CHECK_ATTENTION_BUDGET_S:-180}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-$(((AB ? 300 : 240) + (ATTN ? ATTN_BUDGET : 0)))}"
   AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-120}"
   STEPS="${STEPS:-2}" WARMUP="${WARMUP:-1}"
   # The quickstart's model size and a few rows. float32, no remat and whole-vocabulary
@@ -69,7 +79,8 @@ if ((TINY)); then
              algo.microbatch_size=8 data.num_prompts=256)
 else
   MODE="GPU"
-  BUDGET="${GPU_CHECK_BUDGET_S:-$((AB ? 570 : 480))}"
+  ATTN_BUDGET="${GPU_CHECK_ATTENTION_BUDGET_S:-150}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-$(((AB ? 570 : 480) + (ATTN ? ATTN_BUDGET : 0)))}"
   AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-200}"
   STEPS="${STEPS:-4}" WARMUP="${WARMUP:-1}"
   OVERRIDES=()
@@ -78,7 +89,7 @@ OVERRIDES+=("${EXTRA[@]}")
 
 mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
-rm -f "$OUT"/{bench.json,bench_no_compiler_flags.json,log.txt,summary.md,metrics.jsonl,config.yaml}
+rm -f "$OUT"/{attention.json,bench.json,bench_no_compiler_flags.json,log.txt,summary.md,metrics.jsonl,config.yaml}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")" || exit 2
 START=$SECONDS
 
@@ -254,6 +265,18 @@ with open(env_path, "w") as f:
 EOF
 status=$?
 ((status == 0)) || env_failed "$(cat "$WORK/env.json.failed" 2>/dev/null || echo "the dependency check crashed (exit $status).")"
+
+# (2b) --attention: cuDNN vs XLA attention in the training forward + backward.
+ATTN_RC=0
+if ((ATTN)); then
+  ATTN_CMD=("$PYTHON" "$ROOT/benchmarks/gpu_attention.py" "$OUT")
+  ((TINY)) && ATTN_CMD+=(--tiny --steps 2)
+  say "attention check (timeout ${ATTN_BUDGET}s): ${ATTN_CMD[*]}"
+  (cd "$WORK" && PYTHONUNBUFFERED=1 timeout --kill-after=15 "$ATTN_BUDGET" "${ATTN_CMD[@]}") \
+    2>&1 | tee "$WORK/attention.txt"
+  ATTN_RC=${PIPESTATUS[0]}
+  say "attention check exited with status $ATTN_RC"
+fi
 
 # (3) The bench, within what is left of the budget (20 s kept for the report, and B's share
 # with --compiler-ab).
@@ -447,6 +470,12 @@ sys.exit(0 if bench is not None else 1)
 EOF
 REPORT_RC=$?
 ((BENCH_RC == 0 && REPORT_RC != 0)) && BENCH_RC=$REPORT_RC
+if ((ATTN)); then
+  { printf '\n## Attention kernels (benchmarks/gpu_attention.py, exit %s)\n\n' "$ATTN_RC"
+    grep '^attention check' "$WORK/attention.txt" || echo "No result line; see log.txt."
+  } >>"$OUT/summary.md"
+  ((BENCH_RC == 0 && ATTN_RC != 0)) && BENCH_RC=1
+fi
 
 # (5) --compiler-ab: B, the same bench without jaxrl's compiler flags (the user's own
 # XLA_FLAGS stay), after A; the step times are compared, so B skips the FLOP count.
