@@ -34,9 +34,9 @@ FLAGS_ENV = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 # perf.count_flops=false` and of the vs-TRL workload's bench; benchmarks/README.md, "XLA
 # compiler flags on CPU"). This jaxlib already sends dots to YNNPACK fusions, and XNNPACK
 # dot/eltwise/reduce fusions, XNNPACK graph fusion (greedy), oneDNN thunks and the
-# FAST_RUNTIME preset left the compiled code byte-identical (optimised HLO, LLVM IR, object
-# files of an MLP's value_and_grad; quickstart metrics bit-identical over 33 steps): their
-# A/B spread is the machine's noise. YNNPACK eltwise/reduce fusions do change the program
+# FAST_RUNTIME preset left the compiled code byte-identical (the quickstart step program's
+# HLO and objects, checked for XNNPACK fusion; an MLP's value_and_grad for all four; every
+# arm's metrics bit-identical): their A/B spread (0.46-1.12x) is the machine's noise. YNNPACK eltwise/reduce fusions do change the program
 # and its results (by fp32 roundoff: 4.9e-4 on log-softmax row sums of ~2e3): out, since
 # jaxrl's results must not depend on this table (timed anyway, in the README's section).
 # `--xla_cpu_use_thunk_runtime` is deprecated and ignored (XLA warns) in this jaxlib.
