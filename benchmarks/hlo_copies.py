@@ -111,7 +111,7 @@ def main() -> None:
     for program in counts[hi]:
         a, b = counts[lo].get(program, {}), counts[hi][program]
         result[program] = {
-            group: {"total_at_%d" % hi: b.get(group, 0),
+            group: {"total": b.get(group, 0),
                     "per_layer": (b.get(group, 0) - a.get(group, 0)) / (hi - lo)}
             for group in sorted(set(a) | set(b))}
     if args.json:
@@ -121,7 +121,7 @@ def main() -> None:
         print(f"{program}:")
         for group, c in groups.items():
             print(f"  {group:12s} per layer {c['per_layer']:6.1f}   total ({hi} layers) "
-                  f"{c['total_at_%d' % hi]}")
+                  f"{c['total']}")
 
 
 if __name__ == "__main__":

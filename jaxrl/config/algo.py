@@ -34,6 +34,21 @@ def _require_int(section: str, obj: object, names: tuple[str, ...], optional: bo
             fail(section, obj, name, "an integer" + (" or None" if optional else ""))
 
 
+def resolve_logprob_chunk(chunk: int | str | None, platform: str,
+                          vocab_size: int) -> int | None:
+    """Vocabulary columns per log-prob chunk (None: whole logits), "auto" resolved for
+    `platform` (jax's backend name); a chunk of the whole vocabulary or more is whole logits.
+
+    CPU: 128 columns, the fastest measured (forward + backward at the vs-TRL shapes took
+    0.7-0.8x the time of whole logits in 30x less memory; chunks >= 1024 were slower:
+    benchmarks/README.md "Completion log-probs"). GPU/TPU: not measured (no device in
+    2026-12): whole logits up to 16,384 columns, chunks of 16,384 above, as the shipped
+    1.5B/3B configs set (a 150K vocabulary's [rows, completion, vocab] logits do not fit)."""
+    if chunk == "auto":
+        chunk = 128 if platform == "cpu" else 16_384
+    return None if chunk is None or chunk >= vocab_size else chunk
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgoSection:
     """`algo`: advantages, loss and update schedule of one RL step."""
@@ -50,7 +65,9 @@ class AlgoSection:
     entropy_decay_start: int | None = None
     entropy_decay_steps: int = 1
     mode: StepMode = "fused"
-    logprob_chunk_size: int | None = None  # vocabulary columns per chunk; None: whole logits
+    # Vocabulary columns per chunk of the completion log-probs; None: whole logits; "auto":
+    # per platform (`logprob_chunk_for`).
+    logprob_chunk_size: int | str | None = "auto"
     overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
 
     def __post_init__(self):
@@ -62,17 +79,25 @@ class AlgoSection:
             fail("algo", self, "loss", "a PolicyLossConfig")
         _require_int("algo", self, ("num_iterations", "num_minibatches", "entropy_decay_steps"),
                      optional=False)
-        _require_int("algo", self, ("microbatch_size", "logprob_chunk_size", "overlong_buffer",
+        _require_int("algo", self, ("microbatch_size", "overlong_buffer",
                                     "entropy_decay_start"), optional=True)
+        if self.logprob_chunk_size != "auto":
+            if isinstance(self.logprob_chunk_size, str):
+                fail("algo", self, "logprob_chunk_size", "an integer, None or 'auto'")
+            _require_int("algo", self, ("logprob_chunk_size",), optional=True)
+            require_at_least("algo", self, ("logprob_chunk_size",))
         require_at_least("algo", self, ("num_iterations", "num_minibatches", "microbatch_size",
-                                        "logprob_chunk_size", "overlong_buffer",
-                                        "entropy_decay_steps"))
+                                        "overlong_buffer", "entropy_decay_steps"))
         require_at_least("algo", self, ("entropy_decay_start",), 0)
         if self.entropy_decay_start is not None and not self.loss.entropy_coef > 0:
             fail("algo", self, "entropy_decay_start",
                  "None when algo.loss.entropy_coef is 0 (there is no bonus to decay)")
         if not isinstance(self.mask_zero_std_groups, bool):
             fail("algo", self, "mask_zero_std_groups", "a bool")
+
+    def logprob_chunk_for(self, platform: str, vocab_size: int) -> int | None:
+        """`logprob_chunk_size` for `platform` (jax's backend name): `resolve_logprob_chunk`."""
+        return resolve_logprob_chunk(self.logprob_chunk_size, platform, vocab_size)
 
     @property
     def updates_per_step(self) -> int:

@@ -84,11 +84,11 @@ class Attention(nnx.Module):
         q_ExKxGxH = normal(rngs, (e, n, h), config).reshape(e, k, g, h)
         k_ExKx1xH, v_ExKx1xH = (normal(rngs, (e, k, h), config)[:, :, None] for _ in "kv")
         self.qkv_kernel = param(jnp.concatenate([q_ExKxGxH, k_ExKx1xH, v_ExKx1xH], axis=2),
-                                ("embed", "kv_heads", None, "head_dim"))
+                                ("embed", "kv_heads", "qkv", "head_dim"))
         self.o_kernel = param(normal(rngs, (n, h, e), config), ("heads", "head_dim", "embed"))
         if config.qkv_bias:
             self.qkv_bias = param(jnp.zeros((k, g + 2, h), config.param_dtype),
-                                  ("kv_heads", None, "head_dim"))
+                                  ("kv_heads", "qkv", "head_dim"))
         if config.o_bias:
             self.o_bias = param(jnp.zeros((e,), config.param_dtype), ("embed",))
         if config.qk_norm:

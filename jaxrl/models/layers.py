@@ -61,7 +61,7 @@ class MLP(nnx.Module):
         e, f = config.hidden_size, config.intermediate_size
         # Drawn as gate then up (the random init a seed gives is unchanged).
         self.gate_up = param(jnp.stack([normal(rngs, (e, f), config) for _ in "gu"], axis=1),
-                             ("embed", None, "mlp"))
+                             ("embed", "gate_up", "mlp"))
         self.down = param(normal(rngs, (f, e), config), ("mlp", "embed"))
         self.dtype = config.compute_dtype
 

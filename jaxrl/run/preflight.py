@@ -117,7 +117,7 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         start = time.perf_counter()
         with console.status("counting FLOPs of the phase programs..."):
             accounting = account_step(
-                cfg.algo, run.model_config, run.step.sampler.config,
+                run.step.cfg, run.model_config, run.step.sampler.config,
                 StepShapes(cfg.data.batch_size, cfg.data.max_prompt_len,
                            cfg.rollout.num_generations, cfg.rollout.max_new_tokens),
                 run.step.graphdef, state)
@@ -237,7 +237,7 @@ def memory_suggestions(run: Run) -> list[str]:
     if cfg.model.remat == "none":
         out.append("model.remat=block (keep only each block's input; recompute the rest in "
                    "the backward pass)")
-    if cfg.algo.logprob_chunk_size is None and run.model_config.vocab_size > 8192:
+    if run.step.cfg.logprob_chunk_size is None and run.model_config.vocab_size > 8192:
         out.append(f"algo.logprob_chunk_size=8192 (never hold [rows, completion, "
                    f"{run.model_config.vocab_size}] logits at once)")
     if run.mesh.size > 1 and run.mesh.shape.get("fsdp", 1) < run.mesh.size:

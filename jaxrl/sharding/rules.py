@@ -25,7 +25,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axes of parameters.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+# `qkv` and `gate_up` index the parts of a fused projection (q heads / key / value; gate /
+# up): HF stores each part as a tensor of its own. No preset shards them.
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "qkv",
+              "gate_up")
 # Logical axes of activations and of the KV cache.
 ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
                    "act_vocab", "cache_seq")

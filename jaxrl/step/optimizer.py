@@ -16,9 +16,10 @@ lr_0, which is 0 when there is a warmup (as in transformers' warmup schedules).
 Weight decay is decoupled (AdamW) and applied to weight matrices only, through optax's
 `mask`: norm scales and biases are not decayed. "Matrix" is judged on the parameter as a
 Hugging Face checkpoint stores it, from its logical axes (`weight_decay_mask`): the stacked
-`layers` axis of `scan_layers` does not count, and `head_dim` is merged into `heads` /
-`kv_heads` (jaxrl splits HF's fused [heads*head_dim] dimension), so a q-bias [heads, head_dim]
-or a stacked norm scale [layers, embed] is a vector, as in HF. Arrays without logical axes
+`layers` axis of `scan_layers` and the part axis of a fused projection (`qkv`, `gate_up`: HF
+has one tensor per part) do not count, and `head_dim` is merged into `heads` / `kv_heads`
+(jaxrl splits HF's fused [heads*head_dim] dimension), so the q/k/v bias [kv_heads, qkv,
+head_dim] or a stacked norm scale [layers, embed] is a vector, as in HF. Arrays without logical axes
 count their own dimensions.
 """
 
@@ -33,8 +34,9 @@ from flax import nnx
 from jaxrl.config import OptimSection
 from jaxrl.sharding.rules import variable_axes
 
-# Logical axes that do not make a parameter "more than a vector" (see the module docstring).
-_STACKING_AXES = ("layers",)
+# Logical axes that do not make a parameter "more than a vector" (see the module docstring):
+# stacked layers, and the parts of a fused projection (HF's separate q/k/v, gate/up tensors).
+_STACKING_AXES = ("layers", "qkv", "gate_up")
 _HEAD_AXES = ("heads", "kv_heads")
 
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxrl.config import AlgoSection
+from jaxrl.config.algo import AlgoSection, resolve_logprob_chunk
 from jaxrl.rl import (
     RewardInputs,
     RewardSet,
@@ -126,15 +126,18 @@ def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) ->
 
 
 def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
-                         chunk_size: int | None = None, *, unroll: bool = False,
+                         chunk_size: int | str | None = None, *, unroll: bool = False,
                          ) -> tuple[jax.Array, jax.Array]:
     """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
 
     Only the C positions that predict completion tokens are projected onto the vocabulary.
-    With `chunk_size` the projection runs in chunks of that many columns
+    With `chunk_size` ("auto": `resolve_logprob_chunk` for this backend) the projection runs
+    in chunks of that many columns
     (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
     unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
     """
+    chunk_size = resolve_logprob_chunk(chunk_size, jax.default_backend(),
+                                       model.config.vocab_size)
     c = batch["loss_mask_BxC"].shape[1]
     targets_BxC = batch["ids_BxT"][:, -c:]
     # The hidden state at position t predicts token t + 1: completion token i is predicted
