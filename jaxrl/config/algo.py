@@ -39,13 +39,14 @@ def resolve_logprob_chunk(chunk: int | str | None, platform: str,
     """Vocabulary columns per log-prob chunk (None: whole logits), "auto" resolved for
     `platform` (jax's backend name); a chunk of the whole vocabulary or more is whole logits.
 
-    CPU: 128 columns, the fastest measured (forward + backward at the vs-TRL shapes took
-    0.7-0.8x the time of whole logits in 30x less memory; chunks >= 1024 were slower:
-    benchmarks/README.md "Completion log-probs"). GPU/TPU: not measured (no device in
-    2026-12): whole logits up to 16,384 columns, chunks of 16,384 above, as the shipped
-    1.5B/3B configs set (a 150K vocabulary's [rows, completion, vocab] logits do not fit)."""
+    "auto" is whole logits up to 16,384 columns and chunks of 16,384 above (a 150K
+    vocabulary's [rows, completion, vocab] logits do not fit; the shipped 1.5B/3B configs),
+    on every platform today. CPU measured: in the vs-TRL step (vocabulary 4,096) whole logits
+    trained in 1.91 s against 2.29-2.47 s with chunks of 128, although chunks of 128 were the
+    faster in isolation (`benchmarks/logprobs.py`; benchmarks/README.md). GPU/TPU: not
+    measured (no device in 2026-12); `platform` is where their measured choice goes."""
     if chunk == "auto":
-        chunk = 128 if platform == "cpu" else 16_384
+        chunk = 16_384  # the same on every platform until a GPU/TPU measurement differs
     return None if chunk is None or chunk >= vocab_size else chunk
 
 
@@ -66,7 +67,7 @@ class AlgoSection:
     entropy_decay_steps: int = 1
     mode: StepMode = "fused"
     # Vocabulary columns per chunk of the completion log-probs; None: whole logits; "auto":
-    # per platform (`logprob_chunk_for`).
+    # per platform (`resolve_logprob_chunk`).
     logprob_chunk_size: int | str | None = "auto"
     overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
 
