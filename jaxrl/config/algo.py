@@ -34,19 +34,18 @@ def _require_int(section: str, obj: object, names: tuple[str, ...], optional: bo
             fail(section, obj, name, "an integer" + (" or None" if optional else ""))
 
 
-def resolve_logprob_chunk(chunk: int | str | None, platform: str,
-                          vocab_size: int) -> int | None:
-    """Vocabulary columns per log-prob chunk (None: whole logits), "auto" resolved for
-    `platform` (jax's backend name); a chunk of the whole vocabulary or more is whole logits.
+def resolve_logprob_chunk(chunk: int | str | None, vocab_size: int) -> int | None:
+    """Vocabulary columns per log-prob chunk (None: whole logits), "auto" resolved; a chunk of
+    the whole vocabulary or more is whole logits.
 
     "auto" is whole logits up to 16,384 columns and chunks of 16,384 above (a 150K
     vocabulary's [rows, completion, vocab] logits do not fit; the shipped 1.5B/3B configs),
     on every platform today. CPU measured: in the vs-TRL step (vocabulary 4,096) whole logits
     trained in 1.91 s against 2.29-2.47 s with chunks of 128, although chunks of 128 were the
     faster in isolation (`benchmarks/logprobs.py`; benchmarks/README.md). GPU/TPU: not
-    measured (no device in 2026-12); `platform` is where their measured choice goes."""
+    measured (no device in 2026-12); a measured per-platform choice would go here."""
     if chunk == "auto":
-        chunk = 16_384  # the same on every platform until a GPU/TPU measurement differs
+        chunk = 16_384
     return None if chunk is None or chunk >= vocab_size else chunk
 
 
@@ -67,7 +66,7 @@ class AlgoSection:
     entropy_decay_steps: int = 1
     mode: StepMode = "fused"
     # Vocabulary columns per chunk of the completion log-probs; None: whole logits; "auto":
-    # per platform (`resolve_logprob_chunk`).
+    # `resolve_logprob_chunk`.
     logprob_chunk_size: int | str | None = "auto"
     overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
 
@@ -96,9 +95,9 @@ class AlgoSection:
         if not isinstance(self.mask_zero_std_groups, bool):
             fail("algo", self, "mask_zero_std_groups", "a bool")
 
-    def logprob_chunk_for(self, platform: str, vocab_size: int) -> int | None:
-        """`logprob_chunk_size` for `platform` (jax's backend name): `resolve_logprob_chunk`."""
-        return resolve_logprob_chunk(self.logprob_chunk_size, platform, vocab_size)
+    def logprob_chunk_for(self, vocab_size: int) -> int | None:
+        """`logprob_chunk_size` resolved (`resolve_logprob_chunk`)."""
+        return resolve_logprob_chunk(self.logprob_chunk_size, vocab_size)
 
     @property
     def updates_per_step(self) -> int:

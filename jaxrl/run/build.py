@@ -175,7 +175,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=cfg.algo.logprob_chunk_for(
-        mesh.devices.flat[0].platform, model_config.vocab_size))
+        model_config.vocab_size))
     if jax.process_count() > 1 and rewards.python_rewards and algo.mode == "fused":
         # The fused program's reward callback would run on one process over the whole
         # batch; split mode scores each process's own rows between its two programs.

@@ -95,9 +95,9 @@ def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerC
                  ) -> StepAccounting:
     """Compiles the phase programs (module docstring) and counts them; `ts_state` (the train
     state, concrete or abstract) gives the optimizer update's shapes."""
-    # "auto" as the step resolves it on this backend (the run's step passes it resolved).
+    # "auto" as the step resolves it (the run's step passes it resolved already).
     algo = dataclasses.replace(algo, logprob_chunk_size=algo.logprob_chunk_for(
-        jax.default_backend(), model_config.vocab_size))
+        model_config.vocab_size))
     trips = _trips(algo, shapes)
     layers = model_config.num_layers
     depths = (layers,) if layers <= 2 else (1, 2)

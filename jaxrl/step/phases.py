@@ -131,13 +131,12 @@ def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
     """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
 
     Only the C positions that predict completion tokens are projected onto the vocabulary.
-    With `chunk_size` ("auto": `resolve_logprob_chunk` for this backend) the projection runs
+    With `chunk_size` ("auto": `resolve_logprob_chunk`) the projection runs
     in chunks of that many columns
     (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
     unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
     """
-    chunk_size = resolve_logprob_chunk(chunk_size, jax.default_backend(),
-                                       model.config.vocab_size)
+    chunk_size = resolve_logprob_chunk(chunk_size, model.config.vocab_size)
     c = batch["loss_mask_BxC"].shape[1]
     targets_BxC = batch["ids_BxT"][:, -c:]
     # The hidden state at position t predicts token t + 1: completion token i is predicted
