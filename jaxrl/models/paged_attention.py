@@ -72,13 +72,20 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
     q_SxKxGxH = q_SxNxH.reshape(s, k, g, h).astype(jnp.float32) * scale
     query_pos_S = length_S - 1
 
+    def plane(pages_SxB, c):
+        """Head c of the pool (key head k at 2k, value head at 2k + 1) for the pages_SxB, as
+        [S, J, H]: one gather per head plane lands in the layout the batched dots read
+        (gathering [S, J, 2K, H] and splitting it cost two transposes per layer and step:
+        4.4 -> 3.1 ms for 64 slots of 128 tokens, 2 KV heads, on CPU)."""
+        return kv_pages_LxPxTx2KxH[layer, pages_SxB, :, c, :].reshape(
+            s, tokens_per_block, h).astype(jnp.float32)
+
     def body(state):
         i, m_SxKxG, l_SxKxG, acc_SxKxGxH = state
         pages_SxB = jax.lax.dynamic_slice_in_dim(table_SxM, i * block, block, axis=1)
-        kv_SxBxTx2KxH = kv_pages_LxPxTx2KxH[layer, pages_SxB]
-        kv_SxJx2KxH = kv_SxBxTx2KxH.reshape(s, tokens_per_block, k2, h).astype(jnp.float32)
-        k_SxJxKxH, v_SxJxKxH = kv_SxJx2KxH[:, :, 0::2], kv_SxJx2KxH[:, :, 1::2]
-        x_SxKxGxJ = jnp.einsum("skgh,sjkh->skgj", q_SxKxGxH, k_SxJxKxH)
+        kv_K = [(plane(pages_SxB, 2 * j), plane(pages_SxB, 2 * j + 1)) for j in range(k)]
+        x_SxKxGxJ = jnp.stack([jnp.einsum("sgh,sjh->sgj", q_SxKxGxH[:, j], k_SxJxH)
+                               for j, (k_SxJxH, _) in enumerate(kv_K)], axis=1)
         key_pos_J = i * tokens_per_block + jnp.arange(tokens_per_block)
         ok_SxJ = key_pos_J[None, :] < length_S[:, None]
         if sliding_window is not None:
@@ -90,8 +97,9 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
         p_SxKxGxJ = jnp.exp(x_SxKxGxJ - shift[..., None])
         correction = jnp.exp(m_SxKxG - shift)
         l_new = l_SxKxG * correction + jnp.sum(p_SxKxGxJ, axis=-1)
-        acc_new = acc_SxKxGxH * correction[..., None] + jnp.einsum(
-            "skgj,sjkh->skgh", p_SxKxGxJ, v_SxJxKxH)
+        acc_new = acc_SxKxGxH * correction[..., None] + jnp.stack(
+            [jnp.einsum("sgj,sjh->sgh", p_SxKxGxJ[:, j], v_SxJxH)
+             for j, (_, v_SxJxH) in enumerate(kv_K)], axis=1)
         return i + 1, m_new, l_new, acc_new
 
     init = (jnp.int32(0), jnp.full((s, k, g), -jnp.inf, jnp.float32),
