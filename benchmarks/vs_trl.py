@@ -34,8 +34,8 @@ Equal on both sides: weights, tokenizer, prompts and their token length, group s
 of completion tokens, sampling temperature, loss, optimizer settings, reward function.
 Not equal: the random streams (the sampled tokens, hence the reward values, differ; with a
 random policy the reward is almost always 0 on both sides, so the gradient carries little
-signal, but both do the full forward and backward); jaxrl recomputes the old log-probs with
-one extra no-grad forward per step, which TRL skips when one generation feeds one update;
+signal, but both do the full forward and backward); neither runs a no-grad forward for the
+old log-probs, since one generation feeds one update (jaxrl: old = stop_gradient(new));
 jaxrl's step is one compiled program (compiled ahead of time, before the warm-up: `compile_s`
 in its JSON), TRL runs eagerly; TRL tokenizes a step's prompts inside the timed step, jaxrl's
 `bench` before it (a few ms). jaxrl's MFU is against the float32 matmul rate JAX measures on
