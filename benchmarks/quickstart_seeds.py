@@ -64,7 +64,7 @@ def main() -> None:
         print(f"| {r['seed']} | {r['target_step'] if reached else 'not reached'} "
               f"| {summed} | {elapsed} "
               f"| {r['median_step_s'] * 1e3:.0f} ms | {r['reward_last']:.3f} "
-              f"| {r['eval_exact_match']:.3f} |")
+              f"| {'—' if r['eval_exact_match'] is None else format(r['eval_exact_match'], '.3f')} |")
 
 
 if __name__ == "__main__":
