@@ -61,10 +61,11 @@ def main() -> None:
         reached = r["target_step"] is not None
         summed = f"{r['target_step_s_sum']:.0f} s" if reached else "—"
         elapsed = f"{r['target_elapsed_s']:.0f} s" if reached else "—"
+        exact = "—" if r["eval_exact_match"] is None else f"{r['eval_exact_match']:.3f}"
         print(f"| {r['seed']} | {r['target_step'] if reached else 'not reached'} "
               f"| {summed} | {elapsed} "
               f"| {r['median_step_s'] * 1e3:.0f} ms | {r['reward_last']:.3f} "
-              f"| {'—' if r['eval_exact_match'] is None else format(r['eval_exact_match'], '.3f')} |")
+              f"| {exact} |")
 
 
 if __name__ == "__main__":

@@ -95,10 +95,6 @@ class AlgoSection:
         if not isinstance(self.mask_zero_std_groups, bool):
             fail("algo", self, "mask_zero_std_groups", "a bool")
 
-    def logprob_chunk_for(self, vocab_size: int) -> int | None:
-        """`logprob_chunk_size` resolved (`resolve_logprob_chunk`)."""
-        return resolve_logprob_chunk(self.logprob_chunk_size, vocab_size)
-
     @property
     def updates_per_step(self) -> int:
         """Optimizer updates of one RL step: num_iterations x num_minibatches."""

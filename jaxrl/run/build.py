@@ -34,6 +34,7 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config.algo import resolve_logprob_chunk
 from jaxrl.data.curriculum import make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
@@ -174,8 +175,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                       rules=layout.rollout_rules)
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
-    algo = dataclasses.replace(cfg.algo, logprob_chunk_size=cfg.algo.logprob_chunk_for(
-        model_config.vocab_size))
+    algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
+        cfg.algo.logprob_chunk_size, model_config.vocab_size))
     if jax.process_count() > 1 and rewards.python_rewards and algo.mode == "fused":
         # The fused program's reward callback would run on one process over the whole
         # batch; split mode scores each process's own rows between its two programs.

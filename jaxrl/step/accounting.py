@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxrl.config import AlgoSection
+from jaxrl.config.algo import resolve_logprob_chunk
 from jaxrl.models import KVCache, ModelConfig, Transformer
 from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
@@ -96,8 +97,8 @@ def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerC
     """Compiles the phase programs (module docstring) and counts them; `ts_state` (the train
     state, concrete or abstract) gives the optimizer update's shapes."""
     # "auto" as the step resolves it (the run's step passes it resolved already).
-    algo = dataclasses.replace(algo, logprob_chunk_size=algo.logprob_chunk_for(
-        model_config.vocab_size))
+    algo = dataclasses.replace(algo, logprob_chunk_size=resolve_logprob_chunk(
+        algo.logprob_chunk_size, model_config.vocab_size))
     trips = _trips(algo, shapes)
     layers = model_config.num_layers
     depths = (layers,) if layers <= 2 else (1, 2)

@@ -3,6 +3,7 @@
 import pytest
 
 from jaxrl.config import AlgoSection, ConfigError, OptimSection, load_config
+from jaxrl.config.algo import resolve_logprob_chunk
 
 
 def test_config_is_validated_with_field_and_value():
@@ -53,3 +54,12 @@ def test_loads_as_a_config_section():
     assert cfg == OptimSection(lr=3e-4, total_steps=100, max_grad_norm=None)
     with pytest.raises(ConfigError, match=r"optim\.b2 must be in \[0, 1\), got 1\.5"):
         load_config(OptimSection, None, ["b2=1.5"])
+
+
+def test_auto_logprob_chunk_is_whole_logits_up_to_16384_columns_then_chunks_of_16384():
+    assert resolve_logprob_chunk("auto", 4096) is None
+    assert resolve_logprob_chunk("auto", 16_384) is None
+    assert resolve_logprob_chunk("auto", 151_936) == 16_384
+    assert resolve_logprob_chunk(128, 4096) == 128
+    assert resolve_logprob_chunk(4096, 4096) is None  # a chunk of the whole vocabulary
+    assert resolve_logprob_chunk(None, 151_936) is None
