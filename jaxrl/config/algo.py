@@ -69,6 +69,9 @@ class AlgoSection:
     # `resolve_logprob_chunk`.
     logprob_chunk_size: int | str | None = "auto"
     overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
+    # The trainer's forward runs each prompt once for the rows of its group that share a
+    # microbatch instead of once per row (`jaxrl.step.phases.prompt_group`: same numbers).
+    share_prompts: bool = True
 
     def __post_init__(self):
         for name, choices in (("advantage", AdvantageEstimator), ("mode", StepMode),
@@ -92,8 +95,9 @@ class AlgoSection:
         if self.entropy_decay_start is not None and not self.loss.entropy_coef > 0:
             fail("algo", self, "entropy_decay_start",
                  "None when algo.loss.entropy_coef is 0 (there is no bonus to decay)")
-        if not isinstance(self.mask_zero_std_groups, bool):
-            fail("algo", self, "mask_zero_std_groups", "a bool")
+        for name in ("mask_zero_std_groups", "share_prompts"):
+            if not isinstance(getattr(self, name), bool):
+                fail("algo", self, name, "a bool")
 
     @property
     def updates_per_step(self) -> int:

@@ -117,13 +117,7 @@ class Attention(nnx.Module):
         with `cache=PagedKV` (one token per row) the updated page pool. Without a cache the
         mask may be `PaddedRows` (the rows' real tokens), which the configured kernel takes."""
         cfg = self.config
-        q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self._project(x_BxTxE)
-        if cfg.qk_norm:
-            q_BxTxKxGxH = self.q_norm(q_BxTxKxGxH)
-            k_BxTxKxH = self.k_norm(k_BxTxKxH)
-        q_BxTxKxGxH = constrain(apply_rope(q_BxTxKxGxH, positions_BxT, inv_freq_H2),
-                                ("batch", "seq", "act_kv_heads", None, "head_dim"))
-        k_BxTxKxH = apply_rope(k_BxTxKxH, positions_BxT, inv_freq_H2)
+        q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self._qkv(x_BxTxE, positions_BxT, inv_freq_H2)
         if isinstance(cache, PagedKV):
             return self._paged(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, cache)
         new_cache = None
@@ -142,6 +136,41 @@ class Attention(nnx.Module):
         with jax.named_scope("attention"):  # how `jaxrl.perf.profile` finds it in a trace
             out_BxTxKxGxH = self._attend(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS)
         return self._output(out_BxTxKxGxH), new_cache
+
+    def _qkv(self, x_BxTxE, positions_BxT, inv_freq_H2):
+        """q [B, T, K, G, H] and k, v [B, T, K, H], normed (qk_norm) and rotated."""
+        q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self._project(x_BxTxE)
+        if self.config.qk_norm:
+            q_BxTxKxGxH = self.q_norm(q_BxTxKxGxH)
+            k_BxTxKxH = self.k_norm(k_BxTxKxH)
+        q_BxTxKxGxH = constrain(apply_rope(q_BxTxKxGxH, positions_BxT, inv_freq_H2),
+                                ("batch", "seq", "act_kv_heads", None, "head_dim"))
+        return q_BxTxKxGxH, apply_rope(k_BxTxKxH, positions_BxT, inv_freq_H2), v_BxTxKxH
+
+    def shared_prompt(self, x_NxPxE: jax.Array, x_BxCxE: jax.Array, positions_NxP: jax.Array,
+                      positions_BxC: jax.Array, inv_freq_H2: jax.Array, mask_NxPxP: jax.Array,
+                      mask_BxCxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Outputs of N prompts and of B = N·G continuations, row b continuing prompt b // G.
+
+        The prompts attend among themselves (`mask_NxPxP`); each continuation's queries attend
+        over its prompt's keys and values (computed once, repeated G times) followed by its
+        own (`mask_BxCxS`, S = P + C): the numbers of the rows prompt ⊕ continuation run
+        whole, with the prompt's projections done once per group instead of G times.
+        """
+        g = x_BxCxE.shape[0] // x_NxPxE.shape[0]
+        q_NxPxKxGxH, k_NxPxKxH, v_NxPxKxH = self._qkv(x_NxPxE, positions_NxP, inv_freq_H2)
+        q_BxCxKxGxH, k_BxCxKxH, v_BxCxKxH = self._qkv(x_BxCxE, positions_BxC, inv_freq_H2)
+        kv_axes = ("batch", "seq", "act_kv_heads", "head_dim")
+        k_BxSxKxH, v_BxSxKxH = (
+            constrain(jnp.concatenate([jnp.repeat(prompt, g, axis=0), own], axis=1), kv_axes)
+            for prompt, own in ((k_NxPxKxH, k_BxCxKxH), (v_NxPxKxH, v_BxCxKxH)))
+        scale = self.config.head_dim ** -0.5
+        with jax.named_scope("attention"):
+            out_NxPxKxGxH = grouped_attention(q_NxPxKxGxH, k_NxPxKxH, v_NxPxKxH, mask_NxPxP,
+                                              scale)
+            out_BxCxKxGxH = grouped_attention(q_BxCxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxCxS,
+                                              scale)
+        return self._output(out_NxPxKxGxH), self._output(out_BxCxKxGxH)
 
     def _attend(self, q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask):
         """The configured kernel for the uncached forward (`mask` given as `PaddedRows`),

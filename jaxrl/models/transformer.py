@@ -6,7 +6,9 @@
 
 Two entry points share all code: `__call__` (training/scoring: the given tokens only) and
 `extend` (sampling: append tokens to a preallocated KV cache and attend over it; prefill is
-`extend` of the prompt on an empty cache, decoding is `extend` of one token). With
+`extend` of the prompt on an empty cache, decoding is `extend` of one token).
+`hidden_states_shared_prompt` is the training forward of G rows per prompt with the prompt
+run once per group (GRPO's rows share their prompt: its work shrinks G-fold). With
 `scan_layers` the layers are stacked on a leading `layers` axis and run by `nnx.scan`, so
 compile time does not grow with depth. `remat` rematerialises each block for the backward
 pass of the uncached forward (`__call__`, `hidden_states`): it changes what is saved vs
@@ -86,10 +88,28 @@ class Block(nnx.Module):
         x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
         return constrain(x_BxTxE, ("batch", "seq", "act_embed")), cache
 
+    def shared_prompt(self, x_NxPxE, x_BxCxE, positions_NxP, positions_BxC, inv_freq_H2,
+                      mask_NxPxP, mask_BxCxS):
+        """The block on N prompts and their B = N·G continuations (`Attention.shared_prompt`);
+        everything but attention is per token, so it runs on each part as it is."""
+        h_NxPxE, h_BxCxE = self.attn.shared_prompt(
+            self.attn_norm(x_NxPxE), self.attn_norm(x_BxCxE), positions_NxP, positions_BxC,
+            inv_freq_H2, mask_NxPxP, mask_BxCxS)
+        out = []
+        for x_BxTxE, h_BxTxE in ((x_NxPxE, h_NxPxE), (x_BxCxE, h_BxCxE)):
+            x_BxTxE = constrain(x_BxTxE + h_BxTxE, ("batch", "seq", "act_embed"))
+            x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
+            out.append(constrain(x_BxTxE, ("batch", "seq", "act_embed")))
+        return tuple(out)
 
-def _block_forward(remat: Remat, *, in_scan: bool):
-    """`block(x, positions, inv_freq, mask) -> x` (no cache), rematerialised per `remat`."""
+
+def _block_forward(remat: Remat, *, in_scan: bool, shared_prompt: bool = False):
+    """`block(x, positions, inv_freq, mask) -> x` (no cache), rematerialised per `remat`;
+    with `shared_prompt`, `block.shared_prompt` on ((x_p, x_c), (pos_p, pos_c), inv_freq,
+    (mask_p, mask_c)) -> (x_p, x_c)."""
     def forward(block, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS):
+        if shared_prompt:
+            return block.shared_prompt(*x_BxTxE, *positions_BxT, inv_freq_H2, *mask_BxTxS)
         return block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS)[0]
 
     if remat == "none":
@@ -146,6 +166,35 @@ class Transformer(nnx.Module):
         x_BxTxE, _ = self._layers(self.embed_tokens(input_ids), positions,
                                   self._self_mask(attention_mask), None)
         return self.final_norm(x_BxTxE)
+
+    def hidden_states_shared_prompt(self, prompt_ids_NxP: jax.Array, prompt_mask_NxP: jax.Array,
+                                    ids_BxC: jax.Array, mask_BxC: jax.Array,
+                                    ) -> tuple[jax.Array, jax.Array]:
+        """`hidden_states` of the B = N·G rows prompt[b // G] ⊕ ids[b], split as (prompt part
+        [N, P, E], continuation part [B, C, E]), with each prompt run once for its G rows.
+
+        The prompt part of a row attends only to the prompt (causal), so it is the same for
+        the G rows that share it; the continuations attend over their prompt's keys and
+        values. Same numbers as `hidden_states` of the concatenated rows (to float rounding:
+        the prompt's gradients arrive summed over the group instead of one row at a time).
+        """
+        n, b = prompt_ids_NxP.shape[0], ids_BxC.shape[0]
+        if b % n:
+            raise ValueError(f"{b} continuation rows do not split into groups of the "
+                             f"{n} prompts (expected a multiple of {n})")
+        window = self.config.sliding_window
+        positions_NxP = default_positions(prompt_mask_NxP)
+        prompt_valid_BxP = jnp.repeat(prompt_mask_NxP.astype(bool), b // n, axis=0)
+        valid_BxS = jnp.concatenate([prompt_valid_BxP, mask_BxC.astype(bool)], axis=1)
+        p, c = prompt_ids_NxP.shape[1], ids_BxC.shape[1]
+        positions_BxC = default_positions(valid_BxS)[:, p:]
+        masks = (causal_mask(prompt_mask_NxP, window), cache_causal_mask(valid_BxS, p, c, window))
+        xs = (self.embed_tokens(prompt_ids_NxP), self.embed_tokens(ids_BxC))
+        x_NxPxE, x_BxCxE = self._run_blocks(
+            _block_forward(self.config.remat, in_scan=self.config.scan_layers,
+                           shared_prompt=True),
+            xs, (positions_NxP, positions_BxC), masks)
+        return self.final_norm(x_NxPxE), self.final_norm(x_BxCxE)
 
     def output_embedding(self) -> jax.Array:
         """The output projection [E, V] in the compute dtype (embed^T when tied)."""
@@ -214,11 +263,9 @@ class Transformer(nnx.Module):
             return self._paged_layers(x_BxTxE, positions_BxT, cache)
         inv_freq_H2 = rope_inverse_frequencies(self.config)
         remat, scan = self.config.remat, self.config.scan_layers
-        if not scan and cache is None:
-            forward = _block_forward(remat, in_scan=False)
-            for block in self.layers:
-                x_BxTxE = forward(block, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS)
-            return x_BxTxE, None
+        if cache is None:
+            return self._run_blocks(_block_forward(remat, in_scan=scan), x_BxTxE,
+                                    positions_BxT, mask_BxTxS), None
 
         if not scan:
             kv = cache[:2]
@@ -226,15 +273,6 @@ class Transformer(nnx.Module):
                 x_BxTxE, kv = block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS,
                                     (*kv, i, cache[2]))
             return x_BxTxE, kv
-
-        if cache is None:
-            forward = _block_forward(remat, in_scan=True)
-
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-            def run(block, x):
-                return forward(block, x, positions_BxT, inv_freq_H2, mask_BxTxS)
-
-            return run(self.layers, x_BxTxE), None
 
         @nnx.scan(in_axes=(0, 0, nnx.Carry), out_axes=nnx.Carry)
         def run_cached(block, layer, carry):
@@ -245,6 +283,21 @@ class Transformer(nnx.Module):
         x_BxTxE, k, v = run_cached(self.layers, jnp.arange(self.config.num_layers),
                                    (x_BxTxE, cache[0], cache[1]))
         return x_BxTxE, (k, v)
+
+    def _run_blocks(self, forward, x, positions, masks):
+        """x through every block by `forward` (`_block_forward`), no cache: a loop over the
+        layers, or one `nnx.scan` over the stacked layers (x may be a tuple of arrays)."""
+        inv_freq_H2 = rope_inverse_frequencies(self.config)
+        if not self.config.scan_layers:
+            for block in self.layers:
+                x = forward(block, x, positions, inv_freq_H2, masks)
+            return x
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, x):
+            return forward(block, x, positions, inv_freq_H2, masks)
+
+        return run(self.layers, x)
 
     def _paged_layers(self, x_BxTxE, positions_BxT, paged: PagedKV):
         inv_freq_H2 = rope_inverse_frequencies(self.config)

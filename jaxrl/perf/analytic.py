@@ -11,8 +11,9 @@ n query / k kv heads of size d, MLP width F and vocabulary V:
 
 so a trained token costs 6·N + attention (the "6·N per trained token"). The counts follow
 what the programs compute, padding included: training attends over the whole row of
-T = P + C tokens (a masked square) and projects only the C completion positions onto the
-vocabulary; prefill writes P prompt tokens into a cache of S = P + C - 1 slots and attends
+T = P + C tokens (a masked square), or, with the prompt shared by a group, each prompt once
+(a P x P square) and each row's C tokens over P + C keys, and projects only the C completion
+positions onto the vocabulary; prefill writes P prompt tokens into a cache of S = P + C - 1 slots and attends
 over all of them; a decode step attends one token over the whole cache. Norms, RoPE,
 softmax, SwiGLU gates and the optimizer update are elementwise and not counted here, which
 is why XLA's count is a few percent higher on small models.
@@ -52,13 +53,19 @@ def decode_step_flops(config: ModelConfig, rows: int, prompt_len: int,
     return forward_flops(config, rows, 1, prompt_len + max_new_tokens - 1, 1)
 
 
-def logprob_flops(config: ModelConfig, rows: int, prompt_len: int,
-                  completion_len: int) -> float:
-    """Completion log-probs of `rows` sequences of P + C tokens (forward only)."""
+def logprob_flops(config: ModelConfig, rows: int, prompt_len: int, completion_len: int,
+                  prompt_group: int = 1) -> float:
+    """Completion log-probs of `rows` sequences of P + C tokens (forward only); with
+    `prompt_group` g > 1 each prompt runs once for g rows (a masked P x P square) and the
+    rows' C tokens attend over P + C keys."""
     seq = prompt_len + completion_len
-    return forward_flops(config, rows, seq, seq, completion_len)
+    if prompt_group == 1:
+        return forward_flops(config, rows, seq, seq, completion_len)
+    return (forward_flops(config, rows // prompt_group, prompt_len, prompt_len, 0)
+            + forward_flops(config, rows, completion_len, seq, completion_len))
 
 
-def grad_flops(config: ModelConfig, rows: int, prompt_len: int, completion_len: int) -> float:
+def grad_flops(config: ModelConfig, rows: int, prompt_len: int, completion_len: int,
+               prompt_group: int = 1) -> float:
     """Loss and gradients of `rows` sequences: forward + backward = 3 x forward."""
-    return 3 * logprob_flops(config, rows, prompt_len, completion_len)
+    return 3 * logprob_flops(config, rows, prompt_len, completion_len, prompt_group)

@@ -57,9 +57,11 @@ def token_entropy(logits_BxTxV: jax.Array, temperature: float = 1.0) -> jax.Arra
     logits_BxTxV = logits_BxTxV.astype(jnp.float32) / temperature
     lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     probs_BxTxV = jnp.exp(logits_BxTxV - lse_BxT[..., None])
-    # A -inf logit (a token masked out) has p = 0; p · l would be 0 · -inf = NaN.
-    finite_BxTxV = jnp.where(jnp.isfinite(logits_BxTxV), logits_BxTxV, 0.0)
-    return lse_BxT - jnp.sum(probs_BxTxV * finite_BxTxV, axis=-1)
+    # A -inf logit (a token masked out) has p = 0; p · l would be 0 · -inf = NaN. Raised to
+    # the lowest float instead, p · l is 0 there: an elementwise max, which XLA:CPU fuses into
+    # the sum (a select on isfinite was written out as a [B, T, V] array of its own first).
+    floor = jnp.finfo(jnp.float32).min
+    return lse_BxT - jnp.sum(probs_BxTxV * jnp.maximum(logits_BxTxV, floor), axis=-1)
 
 
 def chunked_log_probs_and_entropy(hidden_BxTxE: jax.Array, w_ExV: jax.Array,

@@ -120,7 +120,8 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
                 run.step.cfg, run.model_config, run.step.sampler.config,
                 StepShapes(cfg.data.batch_size, cfg.data.max_prompt_len,
                            cfg.rollout.num_generations, cfg.rollout.max_new_tokens),
-                run.step.graphdef, state)
+                run.step.graphdef, state,
+                run.step.rules.size("batch", run.mesh) if run.step.rules is not None else 1)
         count_s = time.perf_counter() - start
         _print_flops(accounting, cfg.rollout.max_new_tokens, console)
     try:

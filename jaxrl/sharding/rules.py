@@ -83,6 +83,10 @@ class AxisRules:
                 return mesh_axes
         return ()
 
+    def size(self, logical: str, mesh: Mesh) -> int:
+        """How many ways `logical` is split on `mesh` (1: replicated)."""
+        return math.prod(mesh.shape.get(a, 1) for a in self.mesh_axes(logical))
+
     def spec(self, logical_axes: LogicalAxes, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
         """PartitionSpec for an array of `shape` whose dimensions carry `logical_axes`."""
         if len(logical_axes) != len(shape):

@@ -50,7 +50,7 @@ from jaxrl.models import KVCache, ModelConfig, Transformer
 from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
 from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
-from jaxrl.step.phases import completion_log_probs, microbatch_loss
+from jaxrl.step.phases import completion_log_probs, microbatch_loss, prompt_group
 from jaxrl.step.state import TrainState
 
 PER_LAYER = ("prefill", "decode", "logprobs", "grad")  # programs that run the layers
@@ -93,13 +93,14 @@ class StepAccounting:
 
 def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerConfig,
                  shapes: StepShapes, ts_graphdef: nnx.GraphDef, ts_state: nnx.State,
-                 ) -> StepAccounting:
+                 batch_shards: int = 1) -> StepAccounting:
     """Compiles the phase programs (module docstring) and counts them; `ts_state` (the train
-    state, concrete or abstract) gives the optimizer update's shapes."""
+    state, concrete or abstract) gives the optimizer update's shapes; `batch_shards`: the
+    devices the step's train batch is split over (`prompt_group`)."""
     # "auto" as the step resolves it (the run's step passes it resolved already).
     algo = dataclasses.replace(algo, logprob_chunk_size=resolve_logprob_chunk(
         algo.logprob_chunk_size, model_config.vocab_size))
-    trips = _trips(algo, shapes)
+    trips = _trips(algo, shapes, model_config, batch_shards)
     layers = model_config.num_layers
     depths = (layers,) if layers <= 2 else (1, 2)
     kinds = {"model": ("none", None)}
@@ -138,17 +139,20 @@ def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerC
     return StepAccounting(model, hardware, _analytic(model_config, shapes, trips), shapes.rows)
 
 
-def _trips(algo: AlgoSection, shapes: StepShapes) -> dict[str, int]:
+def _trips(algo: AlgoSection, shapes: StepShapes, model_config: ModelConfig,
+           batch_shards: int = 1) -> dict[str, int]:
     minibatch, num_micro = algo.batch_split(shapes.rows)
     updates = algo.num_iterations * algo.num_minibatches
-    return {"micro_rows": minibatch // num_micro,
+    group = prompt_group(algo, model_config, shapes.generations, shapes.rows,
+                         shapes.rows // (minibatch // num_micro), batch_shards)
+    return {"micro_rows": minibatch // num_micro, "prompt_group": group,
             "logprobs": shapes.rows // (minibatch // num_micro) * (
                 (not algo.single_update) + (algo.loss.beta > 0)),
             "grad": updates * num_micro, "update": updates}
 
 
 def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int]) -> StepFlops:
-    p, c, b = shapes.prompt_len, shapes.max_new_tokens, trips["micro_rows"]
+    p, c, b, g = shapes.prompt_len, shapes.max_new_tokens, trips["micro_rows"], trips["prompt_group"]
 
     def phase(name, flops, n, per_decode_step=False):
         return PhaseCount(ProgramCost(name, flops, None, "analytic"), n, per_decode_step)
@@ -157,8 +161,8 @@ def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int]) ->
         generate=(phase("prefill", analytic.prefill_flops(config, shapes.prompts, p, c), 1),
                   phase("decode", analytic.decode_step_flops(config, shapes.rows, p, c), 0,
                         per_decode_step=True)),
-        train=(phase("logprobs", analytic.logprob_flops(config, b, p, c), trips["logprobs"]),
-               phase("grad", analytic.grad_flops(config, b, p, c), trips["grad"])))
+        train=(phase("logprobs", analytic.logprob_flops(config, b, p, c, g), trips["logprobs"]),
+               phase("grad", analytic.grad_flops(config, b, p, c, g), trips["grad"])))
 
 
 def _host() -> SingleDeviceSharding:
@@ -265,7 +269,8 @@ class _Phases:
         def fn(params, mb):
             return completion_log_probs(nnx.merge(self.graphdef, params), mb,
                                         self.sampler.sampling.temperature,
-                                        algo.logprob_chunk_size, unroll=True)[0]
+                                        algo.logprob_chunk_size, unroll=True,
+                                        prompt_group=self.trips["prompt_group"])[0]
 
         return _lower(fn, self.params, self._microbatch())
 
@@ -276,7 +281,8 @@ class _Phases:
         def fn(params, mb, num_tokens, num_seqs):
             def loss(model):
                 return microbatch_loss(algo, model, mb, num_tokens, num_seqs,
-                                       self.sampler.sampling.temperature, unroll=True)
+                                       self.sampler.sampling.temperature, unroll=True,
+                                       prompt_group=self.trips["prompt_group"])
 
             return nnx.value_and_grad(loss, has_aux=True)(nnx.merge(self.graphdef, params))
 

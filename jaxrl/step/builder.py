@@ -251,7 +251,8 @@ class Step:
             metrics.update(completion_metrics(rollout, self.sampler.config.stop_token_ids))
             metrics.update(train_on(self.cfg, ts, train_batch(rollout, adv_B, loss_mask_BxC),
                                     self.sampler.config.sampling.temperature,
-                                    ref_params=ref_params, lr_schedule=self._schedule))
+                                    ref_params=ref_params, lr_schedule=self._schedule,
+                                    group_size=g))
             new_state = nnx.state(ts)
             if self.mesh is not None:
                 new_state = jax.lax.with_sharding_constraint(

@@ -42,6 +42,7 @@ import optax
 from flax import nnx
 
 from jaxrl.config.algo import AlgoSection, resolve_logprob_chunk
+from jaxrl.models import ModelConfig
 from jaxrl.rl import (
     RewardInputs,
     RewardSet,
@@ -57,7 +58,7 @@ from jaxrl.rl import (
     zero_std_groups,
 )
 from jaxrl.rollout import Prompts, Rollout, Sampler
-from jaxrl.sharding import constrain
+from jaxrl.sharding.rules import active_rules, constrain
 from jaxrl.step.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -125,9 +126,30 @@ def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) ->
     }
 
 
+def prompt_group(cfg: AlgoSection, model_config: ModelConfig, group_size: int, rows: int,
+                 slices: int, batch_shards: int = 1) -> int:
+    """Rows sharing one prompt within each of `slices` strided row slices (`_split`) of a
+    batch of `rows` group-major rows (G = `group_size` consecutive rows per prompt): the
+    factor by which `completion_log_probs` cuts the prompt's work; 1: each row runs its own.
+
+    Slice i of n holds rows i, i + n, ..., so when n divides G it holds G / n rows of every
+    prompt, consecutive. Besides algo.share_prompts, sharing takes the XLA attention (the
+    shared forward's masks are dense; the cuDNN / Splash kernels take one padded sequence
+    per row) and a prompt count per slice that the `batch_shards` devices holding the rows
+    divide (else the largest divisor of G / n that gives one: no device idles).
+    """
+    if (not cfg.share_prompts or model_config.attention_impl != "xla" or group_size % slices
+            or rows % slices):
+        return 1
+    group, per_slice = group_size // slices, rows // slices
+    while group > 1 and (per_slice % group or (per_slice // group) % batch_shards):
+        group = next(d for d in range(group - 1, 0, -1) if group % d == 0)
+    return group
+
+
 def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
                          chunk_size: int | str | None = None, *, unroll: bool = False,
-                         ) -> tuple[jax.Array, jax.Array]:
+                         prompt_group: int = 1) -> tuple[jax.Array, jax.Array]:
     """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
 
     Only the C positions that predict completion tokens are projected onto the vocabulary.
@@ -135,13 +157,23 @@ def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
     in chunks of that many columns
     (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
     unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
+    With `prompt_group` g > 1 (`prompt_group()`), rows b·g ... b·g + g - 1 share their prompt
+    and it runs once for them (`Transformer.hidden_states_shared_prompt`).
     """
     chunk_size = resolve_logprob_chunk(chunk_size, model.config.vocab_size)
     c = batch["loss_mask_BxC"].shape[1]
-    targets_BxC = batch["ids_BxT"][:, -c:]
+    ids_BxT, mask_BxT = batch["ids_BxT"], batch["mask_BxT"]
+    targets_BxC = ids_BxT[:, -c:]
     # The hidden state at position t predicts token t + 1: completion token i is predicted
     # at P - 1 + i.
-    hidden_BxCxE = model.hidden_states(batch["ids_BxT"], batch["mask_BxT"])[:, -c - 1:-1]
+    if prompt_group > 1:
+        p, g = ids_BxT.shape[1] - c, prompt_group
+        prompt_NxPxE, completion_BxCxE = model.hidden_states_shared_prompt(
+            ids_BxT[::g, :p], mask_BxT[::g, :p], ids_BxT[:, p:], mask_BxT[:, p:])
+        hidden_BxCxE = jnp.concatenate([jnp.repeat(prompt_NxPxE[:, -1:], g, axis=0),
+                                        completion_BxCxE[:, :-1]], axis=1)
+    else:
+        hidden_BxCxE = model.hidden_states(ids_BxT, mask_BxT)[:, -c - 1:-1]
     if chunk_size is not None:
         return chunked_log_probs_and_entropy(
             hidden_BxCxE, model.output_embedding(), targets_BxC, temperature=temperature,
@@ -164,12 +196,13 @@ def _unsplit(x: jax.Array) -> jax.Array:
 
 
 def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: Batch,
-                  num_micro: int, temperature: float, chunk_size: int | None) -> jax.Array:
+                  num_micro: int, temperature: float, chunk_size: int | None,
+                  group: int) -> jax.Array:
     """stop_gradient(logp_BxC) of the model `merge(graphdef, *states)`, by microbatches."""
     def one(mb):
         # A fresh copy per traced scope: nnx rejects Variables of another trace level.
         model = nnx.merge(graphdef, *states, copy=True)
-        return completion_log_probs(model, mb, temperature, chunk_size)[0]
+        return completion_log_probs(model, mb, temperature, chunk_size, prompt_group=group)[0]
 
     parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
     return jax.lax.stop_gradient(_unsplit(parts))
@@ -192,14 +225,16 @@ def entropy_coef_at(cfg: AlgoSection, update: jax.Array) -> jax.Array:
 
 def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
                     num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
-                    entropy_coef: jax.Array | None = None,
+                    entropy_coef: jax.Array | None = None, prompt_group: int = 1,
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
     counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus ref log-probs and the old
     ones (without them, the step's only update: old = stop_gradient(new)); `entropy_coef`:
-    this update's (`entropy_coef_at`), None: algo.loss.entropy_coef."""
+    this update's (`entropy_coef_at`), None: algo.loss.entropy_coef; `prompt_group`: see
+    `completion_log_probs`."""
     logp_BxC, entropy_BxC = completion_log_probs(model, mb, temperature,
-                                                 cfg.logprob_chunk_size, unroll=unroll)
+                                                 cfg.logprob_chunk_size, unroll=unroll,
+                                                 prompt_group=prompt_group)
     old_logp_BxC = mb.get("old_logp_BxC")
     if old_logp_BxC is None:  # one update per step: this forward is the old policy's
         old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
@@ -212,8 +247,10 @@ def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: 
 
 def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float, *,
              ref_params: nnx.State | None = None,
-             lr_schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
-    """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place.
+             lr_schedule: optax.Schedule | None = None, group_size: int = 1,
+             ) -> dict[str, jax.Array]:
+    """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place;
+    `group_size`: consecutive rows sharing a prompt (G), for `prompt_group`.
 
     Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
     (and tis/weight_mean), grad_norm (global norm before clipping), lr (when a schedule is
@@ -223,25 +260,30 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     rows = batch["loss_mask_BxC"].shape[0]
     minibatch, num_micro = cfg.batch_split(rows)
     total_micro = rows // (cfg.microbatch_size or minibatch)
+    # Every microbatch, of the old/ref forwards and of the updates, is the strided slice
+    # i mod total_micro of the rows (a minibatch's slices of the minibatch's slices).
+    active = active_rules()
+    group = prompt_group(cfg, ts.model.config, group_size, rows, total_micro,
+                         1 if active is None else active[1].size("batch", active[0]))
     model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
     batch = dict(batch)  # entries are added and removed below, never in the caller's dict
     if not cfg.single_update:
         batch["old_logp_BxC"] = _forward_logp(model_graphdef, (params, rest), batch,
                                               total_micro, temperature,
-                                              cfg.logprob_chunk_size)
+                                              cfg.logprob_chunk_size, group)
     if cfg.loss.beta > 0:
         if ref_params is None:
             raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
                              f"reference params (jaxrl.step.reference_params)")
         batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
                                               total_micro, temperature,
-                                              cfg.logprob_chunk_size)
+                                              cfg.logprob_chunk_size, group)
     if cfg.loss.tis_cap is None:
         del batch["sampler_logp_BxC"]
 
     def loss_fn(model, mb, num_tokens, num_seqs, entropy_coef=None):
         return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature,
-                               entropy_coef=entropy_coef)
+                               entropy_coef=entropy_coef, prompt_group=group)
 
     graphdef = nnx.graphdef(ts)
 

@@ -335,3 +335,62 @@ def test_hidden_states_times_output_embedding_are_the_logits(family):
     hidden = model.hidden_states(jnp.asarray(ids), jnp.asarray(mask))
     assert hidden.shape == (*ids.shape, config.hidden_size)
     _close(jnp.einsum("bte,ev->btv", hidden, model.output_embedding()), logits, mask)
+
+
+# ------------------------------------------------------------------ shared prompts ≡ whole rows
+
+def _grouped_rows(config, groups=3, group=4, prompt_len=7, completion_len=5):
+    """N prompts (left-padded, one with no padding), G continuations of each (some ending
+    early), and the B = N·G whole rows prompt[b // G] ⊕ continuation[b] with their mask."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, config.vocab_size, (groups, prompt_len)).astype(np.int32)
+    prompt_mask = np.arange(prompt_len)[None, :] >= np.array([3, 0, 5])[:groups, None]
+    rest = rng.integers(0, config.vocab_size, (groups * group, completion_len)).astype(np.int32)
+    ends = rng.integers(1, completion_len + 1, groups * group)
+    rest_mask = np.arange(completion_len)[None, :] < ends[:, None]
+    ids = np.concatenate([np.repeat(prompt, group, axis=0), rest], axis=1)
+    mask = np.concatenate([np.repeat(prompt_mask, group, axis=0), rest_mask], axis=1)
+    return (prompt, prompt_mask, rest, rest_mask), (ids, mask)
+
+
+@pytest.mark.parametrize("family", FAMILIES)  # qwen3: qk-norm; mistral: sliding window of 4
+@pytest.mark.parametrize("scan,remat", [(False, "none"), (True, "block")])
+def test_shared_prompt_forward_and_gradients_match_whole_rows(family, scan, remat):
+    config = make_tiny_config(family, scan_layers=scan, remat=remat)
+    model = _model(config)
+    (prompt, prompt_mask, rest, rest_mask), (ids, mask) = _grouped_rows(config)
+    graphdef, state = nnx.split(model)
+    weights = jnp.asarray(np.random.default_rng(2).standard_normal(config.hidden_size),
+                          jnp.float32)
+
+    def whole(state):
+        hidden = nnx.merge(graphdef, state).hidden_states(jnp.asarray(ids), jnp.asarray(mask))
+        return jnp.sum(jnp.where(jnp.asarray(mask)[..., None], hidden * weights, 0.0)), hidden
+
+    def shared(state):
+        p, c = nnx.merge(graphdef, state).hidden_states_shared_prompt(
+            jnp.asarray(prompt), jnp.asarray(prompt_mask), jnp.asarray(rest),
+            jnp.asarray(rest_mask))
+        hidden = jnp.concatenate([jnp.repeat(p, 4, axis=0), c], axis=1)
+        # Each prompt counted once per row, as in the whole-row loss.
+        return jnp.sum(jnp.where(jnp.asarray(mask)[..., None], hidden * weights, 0.0)), hidden
+
+    (_, want), grads_want = jax.jit(jax.value_and_grad(whole, has_aux=True))(state)
+    (_, got), grads_got = jax.jit(jax.value_and_grad(shared, has_aux=True))(state)
+    _close(got, want, mask)
+    for name, g_want in nnx.to_flat_state(grads_want):
+        g_got = dict(nnx.to_flat_state(grads_got))[name]
+        if np.any(np.asarray(g_want.get_value())):
+            _close(g_got.get_value(), g_want.get_value())
+        else:  # the output projection: not part of the hidden states
+            np.testing.assert_array_equal(g_got.get_value(), 0.0)
+
+
+def test_shared_prompt_forward_rejects_rows_that_do_not_split_into_groups():
+    config = make_tiny_config("llama")
+    (prompt, prompt_mask, rest, rest_mask), _ = _grouped_rows(config)
+    with pytest.raises(ValueError, match="12 continuation rows .* 5 prompts"):
+        _model(config).hidden_states_shared_prompt(
+            jnp.asarray(np.concatenate([prompt, prompt[:2]])),
+            jnp.asarray(np.concatenate([prompt_mask, prompt_mask[:2]])), jnp.asarray(rest),
+            jnp.asarray(rest_mask))

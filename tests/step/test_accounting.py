@@ -28,14 +28,14 @@ ALGO = AlgoSection(num_iterations=2, num_minibatches=2, microbatch_size=4,
 
 
 @functools.cache
-def _account(layout="single", remat="none", chunk=None, layers=2):
+def _account(layout="single", remat="none", chunk=None, layers=2, algo=ALGO):
     config = dataclasses.replace(CONFIG, remat=remat, num_layers=layers)
     lay = load_layout(layout)
     mesh = make_mesh(lay, jax.devices()[:1] if layout == "single" else None)
     ts = create_train_state(lambda: Transformer(config, rngs=nnx.Rngs(0)), OptimSection(), mesh,
                             lay.train_rules)
     graphdef, state = nnx.split(ts)
-    algo = dataclasses.replace(ALGO, logprob_chunk_size=chunk)
+    algo = dataclasses.replace(algo, logprob_chunk_size=chunk)
     sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
                             num_generations=SHAPES.generations)
     return account_step(algo, config, sampler, SHAPES, graphdef, state)
@@ -56,9 +56,9 @@ def test_trip_counts_follow_the_algo_config():
 
 
 def test_a_single_update_step_runs_no_old_log_prob_forward():
-    trips = _trips(AlgoSection(microbatch_size=4), SHAPES)
+    trips = _trips(AlgoSection(microbatch_size=4), SHAPES, CONFIG)
     assert trips["logprobs"] == 0 and trips["grad"] == 4 and trips["update"] == 1
-    with_kl = _trips(AlgoSection(microbatch_size=4, loss=PolicyLossConfig(beta=0.1)), SHAPES)
+    with_kl = _trips(AlgoSection(microbatch_size=4, loss=PolicyLossConfig(beta=0.1)), SHAPES, CONFIG)
     assert with_kl["logprobs"] == 4  # the reference forward only
 
 
@@ -109,7 +109,7 @@ def test_a_cudnn_attention_config_is_counted_with_xla_attention_on_the_host():
     cudnn = dataclasses.replace(CONFIG, attention_impl="cudnn")
     sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
                             num_generations=SHAPES.generations)
-    phases = _Phases(ALGO, cudnn, sampler, SHAPES, _trips(ALGO, SHAPES), remat="none",
+    phases = _Phases(ALGO, cudnn, sampler, SHAPES, _trips(ALGO, SHAPES, CONFIG), remat="none",
                      chunk_size=None, num_layers=1)
     assert phases.config.attention_impl == "xla"
     decode = program_cost("decode", phases.lower()["decode"].compile())
@@ -122,10 +122,27 @@ def test_deep_models_are_counted_exactly_from_one_and_two_layers():
     direct = _Phases(ALGO, dataclasses.replace(CONFIG, num_layers=3),
                      SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
                                    num_generations=SHAPES.generations),
-                     SHAPES, _trips(ALGO, SHAPES), remat="none", chunk_size=None,
+                     SHAPES, _trips(ALGO, SHAPES, CONFIG), remat="none", chunk_size=None,
                      num_layers=3).lower()
     for name, lowered in direct.items():
         assert phases[name].cost.flops == pytest.approx(
             program_cost(name, lowered.compile()).flops, rel=1e-6), name
     two = _phases(_account().model)
     assert phases["grad"].cost.flops > 1.3 * two["grad"].cost.flops
+
+
+def test_a_prompt_shared_by_its_group_is_counted_once_per_microbatch():
+    # Microbatches of 8 rows (strided slices of 2): each holds 2 rows of every prompt.
+    shared_algo = dataclasses.replace(ALGO, num_minibatches=1, microbatch_size=8)
+    shared = _account(algo=shared_algo)
+    whole = _account(algo=dataclasses.replace(shared_algo, share_prompts=False))
+    assert _trips(shared_algo, SHAPES, CONFIG)["prompt_group"] == 2
+    for phase in ("logprobs", "grad"):
+        xla, expected = (_phases(acc.model)[phase].cost.flops for acc in (shared, whole)), (
+            _phases(acc.analytic)[phase].cost.flops for acc in (shared, whole))
+        (xla_shared, xla_whole), (analytic_shared, analytic_whole) = xla, expected
+        assert analytic_shared <= xla_shared <= 1.05 * analytic_shared, phase
+        # Half the prompt forwards: fewer FLOPs, in the analytic proportion.
+        assert xla_shared < xla_whole
+        assert xla_shared / xla_whole == pytest.approx(analytic_shared / analytic_whole,
+                                                       rel=0.02), phase

@@ -19,7 +19,7 @@ from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state, reference_params
 from jaxrl.step.builder import build_step
-from jaxrl.step.phases import advantages, completion_metrics, shape_rewards
+from jaxrl.step.phases import advantages, completion_metrics, prompt_group, shape_rewards
 from tests.conftest import make_tiny_config
 
 CONFIG = make_tiny_config("llama")
@@ -203,6 +203,19 @@ def test_chunked_log_probs_give_the_same_step():
     _assert_close(chunked[0][0], full[0][0])
     for name in ("loss/policy", "entropy", "grad_norm", "tis/weight_mean"):
         np.testing.assert_allclose(chunked[2][0][name], full[2][0][name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_prompt_shared_by_its_group_gives_the_same_step():
+    # Two iterations: the old log-probs' forward and both updates run with the prompts shared
+    # (one microbatch of 16 rows: each prompt once for its 4 rows) and without.
+    cfg = dataclasses.replace(BASE, num_iterations=2)
+    assert prompt_group(cfg, CONFIG, SAMPLER.num_generations, ROWS, 1) == 4
+    shared = _run(cfg)
+    whole = _run(dataclasses.replace(cfg, share_prompts=False))
+    assert shared[1] == whole[1] == 2
+    _assert_close(shared[0][0], whole[0][0])
+    for name in ("loss/policy", "entropy", "grad_norm", "clip_frac", "tis/weight_mean"):
+        np.testing.assert_allclose(shared[2][0][name], whole[2][0][name], rtol=1e-5, atol=1e-6)
 
 
 def test_overlong_shaping_by_hand():
