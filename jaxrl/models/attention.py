@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxrl.models.attention_kernels import PaddedRows, cudnn_attention, splash_attention
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
+from jaxrl.models.layers import RMSNorm, apply_rope, dense, normal, param
 from jaxrl.models.paged_attention import ragged_decode_attention, write_token_kv
 from jaxrl.sharding import constrain
 
@@ -98,7 +98,7 @@ class Attention(nnx.Module):
     def _project(self, x_BxTxE):
         """(q [B, T, K, G, H], k [B, T, K, H], v [B, T, K, H]) from one matmul."""
         dt = self.config.compute_dtype
-        qkv_BxTxKxJxH = jnp.einsum("bte,ekjh->btkjh", x_BxTxE, self.qkv_kernel[...].astype(dt))
+        qkv_BxTxKxJxH = dense(x_BxTxE, self.qkv_kernel[...].astype(dt), "bte,ekjh->btkjh")
         if self.config.qkv_bias:
             qkv_BxTxKxJxH = qkv_BxTxKxJxH + self.qkv_bias[...].astype(dt)
         g = qkv_BxTxKxJxH.shape[3] - 2
@@ -194,8 +194,8 @@ class Attention(nnx.Module):
     def _output(self, out_BxTxKxGxH):
         cfg = self.config
         b, t, k, g, h = out_BxTxKxGxH.shape
-        out_BxTxE = jnp.einsum("btnh,nhe->bte", out_BxTxKxGxH.reshape(b, t, k * g, h),
-                               self.o_kernel[...].astype(cfg.compute_dtype))
+        out_BxTxE = dense(out_BxTxKxGxH.reshape(b, t, k * g, h),
+                          self.o_kernel[...].astype(cfg.compute_dtype), "btnh,nhe->bte")
         if cfg.o_bias:
             out_BxTxE = out_BxTxE + self.o_bias[...].astype(cfg.compute_dtype)
         return out_BxTxE

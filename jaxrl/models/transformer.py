@@ -27,7 +27,7 @@ from flax import nnx
 from jaxrl.models.attention import Attention, PagedKV, cache_causal_mask, causal_mask
 from jaxrl.models.attention_kernels import PaddedRows
 from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
-from jaxrl.models.layers import MLP, RMSNorm, normal, param
+from jaxrl.models.layers import DENSE, MLP, RMSNorm, normal, param
 from jaxrl.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", "head_dim")
@@ -40,7 +40,9 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", "head_dim")
 # the [B, N, T, S] scores grow with T^2, `checkpoint_dots` would keep them.
 _REMAT_POLICIES = {
     "block": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(DENSE)),  # the projections (`dense`)
 }
 
 

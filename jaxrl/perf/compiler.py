@@ -124,7 +124,29 @@ def apply_compiler_flags() -> dict[str, list[str]]:
     returns what was added. Call before JAX starts a backend; a no-op when turned off."""
     if not compiler_flags_enabled():
         return {}
+    unroll_cpu_threefry()
     planned = planned_flags()
     for var, flags in planned.items():
         os.environ[var] = " ".join([os.environ.get(var, ""), *flags]).strip()
     return planned
+
+
+def unroll_cpu_threefry() -> bool:
+    """Lowers JAX's threefry2x32 on CPU as on GPU/TPU, its 5 rounds unrolled; returns whether
+    it could (False: this jax has not the private names, and nothing changes).
+
+    JAX lowers it on CPU as a 5-trip loop (jax/_src/random/threefry2x32.py: less to compile),
+    whose two carries XLA:CPU copies every trip: in the sampler's Gumbel noise, [rows, vocab]
+    u32 each, per decode step. Unrolled, the vs-TRL step's copies fell from 10.0-10.2% to
+    8.2-8.3% of its device time (44 ms of 2.4 s; `jaxrl bench <vs_trl config> --profile`,
+    alternated; benchmarks/README.md), compile time unchanged within noise. The same integer
+    operations in the same order: the random bits are identical (tests/perf/test_compiler.py).
+    """
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32
+        mlir.register_lowering(threefry2x32.threefry2x32_p,
+                               threefry2x32._threefry2x32_lowering_rule, platform="cpu")
+    except (ImportError, AttributeError):
+        return False
+    return True

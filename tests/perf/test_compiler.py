@@ -2,6 +2,7 @@
 twice, each platform's flags go to its variable, and the CPU and GPU tables are accepted by
 the installed jaxlib (an unknown flag in XLA_FLAGS aborts the process)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,27 @@ def test_this_jaxlib_accepts_the_cpu_and_gpu_tables():
     assert result.returncode == 0 and result.stdout.strip() == "4.0", result.stderr[-2000:]
     bogus = _jit_with("--xla_jaxrl_no_such_flag=true")
     assert bogus.returncode != 0 and "Unknown flag in XLA_FLAGS" in bogus.stderr
+
+
+_THREEFRY = """
+import json, jax, jax.numpy as jnp
+from jaxrl.perf.compiler import unroll_cpu_threefry
+def draw():
+    f = jax.jit(lambda k: (jax.random.bits(k, (64, 1000)), jax.random.gumbel(k, (3, 7))))
+    bits, gumbel = f(jax.random.key(7))
+    return bits.tolist(), gumbel.tolist(), " while(" in f.lower(jax.random.key(7)).compile().as_text()
+rolled = draw()
+ok = unroll_cpu_threefry()
+jax.clear_caches()
+print(json.dumps({"ok": ok, "rolled": rolled, "unrolled": draw()}))
+"""
+
+
+def test_unrolled_cpu_threefry_draws_the_same_bits_without_a_loop():
+    out = subprocess.run([sys.executable, "-c", _THREEFRY], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ok"]
+    (bits, gumbel, loop), (bits_u, gumbel_u, loop_u) = result["rolled"], result["unrolled"]
+    assert loop and not loop_u  # JAX's CPU lowering is a loop; the unrolled one is not
+    assert bits_u == bits and gumbel_u == gumbel
