@@ -34,7 +34,9 @@ Equal on both sides: weights, tokenizer, prompts and their token length, group s
 of completion tokens, sampling temperature, loss, optimizer settings, reward function.
 Not equal: the random streams (the sampled tokens, hence the reward values, differ; with a
 random policy the reward is almost always 0 on both sides, so the gradient carries little
-signal, but both do the full forward and backward); neither runs a no-grad forward for the
+signal, but both do the full forward and backward); jaxrl's trainer runs each prompt once
+for its 8 rows (`algo.share_prompts`, its default: the same numbers, 32 of the 96 positions
+of a row computed once per group), TRL once per row; neither runs a no-grad forward for the
 old log-probs, since one generation feeds one update (jaxrl: old = stop_gradient(new));
 jaxrl's step is one compiled program (compiled ahead of time, before the warm-up: `compile_s`
 in its JSON), TRL runs eagerly; TRL tokenizes a step's prompts inside the timed step, jaxrl's

@@ -16,7 +16,8 @@ from flax import nnx
 
 from jaxrl.models.attention_kernels import PaddedRows, cudnn_attention, splash_attention
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import RMSNorm, apply_rope, dense, normal, param
+from jaxrl.models.dense import dense
+from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
 from jaxrl.models.paged_attention import ragged_decode_attention, write_token_kv
 from jaxrl.sharding import constrain
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.dense import dense
 from jaxrl.sharding import constrain
 
 INIT_STD = 0.02  # transformers' default initializer_range
@@ -24,54 +22,6 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> jax.Array:
     return INIT_STD * jax.random.normal(rngs.params(), shape, config.param_dtype)
-
-
-DENSE = "dense"  # the checkpoint name of every `dense` output (remat policies save it)
-
-
-def dense(x: jax.Array, w: jax.Array, spec: str, out_dtype=None) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` for a projection "<x axes>,<w axes>-><out axes>" (no axis of w
-    is a batch axis), with the gradients written as einsums into the operands' own axes:
-
-        dx = einsum("<out>,<w>-><x>", dy, w)        dw = einsum("<x>,<out>-><w>", x, dy)
-
-    dw's contraction runs over the tokens, the major axis of both x and dy: XLA:CPU's dot
-    transposes its first operand into [features, tokens] for it. Autodiff always puts dy
-    first, which for an expanding projection is the wide one (gate/up: [4096, 1536] dy
-    against [4096, 256] x in the vs-TRL step); here the narrower goes first. Same sums;
-    GPU/TPU dots take either order without a copy. `out_dtype`: the
-    einsum's preferred_element_type (float32 logits). The output is named `DENSE` for remat
-    policies (a custom-VJP call is no dot to `dots_with_no_batch_dims_saveable`)."""
-    return checkpoint_name(_dense(x, w, spec, out_dtype), DENSE)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dense(x, w, spec, out_dtype):
-    return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
-
-
-def _dense_fwd(x, w, spec, out_dtype):
-    return _dense(x, w, spec, out_dtype), (x, w)
-
-
-def _dense_bwd(spec, out_dtype, residuals, dy):
-    x, w = residuals
-    inputs, out = spec.split("->")
-    x_axes, w_axes = inputs.split(",")
-    dx = jnp.einsum(f"{out},{w_axes}->{x_axes}", dy, w, preferred_element_type=x.dtype)
-    # The narrower of x and dy first: that is the operand XLA:CPU transposes. A dot_general
-    # (jnp.einsum may swap its operands) into its natural order, then w's axes (weight-sized).
-    first, second = (x, dy) if x.size <= dy.size else (dy, x)
-    axes1, axes2 = (x_axes, out) if first is x else (out, x_axes)
-    tokens = [a for a in x_axes if a not in w_axes]
-    dims = (([axes1.index(a) for a in tokens], [axes2.index(a) for a in tokens]), ((), ()))
-    dw = jax.lax.dot_general(first, second, dims, preferred_element_type=w.dtype)
-    natural = [a for a in axes1 if a not in tokens] + [a for a in axes2 if a not in tokens]
-    dw = dw.transpose([natural.index(a) for a in w_axes])
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 class RMSNorm(nnx.Module):

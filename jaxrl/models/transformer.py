@@ -27,7 +27,8 @@ from flax import nnx
 from jaxrl.models.attention import Attention, PagedKV, cache_causal_mask, causal_mask
 from jaxrl.models.attention_kernels import PaddedRows
 from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
-from jaxrl.models.layers import DENSE, MLP, RMSNorm, normal, param
+from jaxrl.models.dense import DENSE
+from jaxrl.models.layers import MLP, RMSNorm, normal, param
 from jaxrl.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", "head_dim")

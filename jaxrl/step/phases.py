@@ -43,7 +43,7 @@ from flax import nnx
 
 from jaxrl.config.algo import AlgoSection, resolve_logprob_chunk
 from jaxrl.models import ModelConfig
-from jaxrl.models.layers import dense
+from jaxrl.models.dense import dense
 from jaxrl.rl import (
     RewardInputs,
     RewardSet,
