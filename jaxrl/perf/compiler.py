@@ -15,6 +15,9 @@ flag in XLA_FLAGS aborts the process ("Unknown flag in XLA_FLAGS", checked with 
 0.10.2), so a GPU flag that a later jaxlib drops must not take CPU runs down with it.
 tests/perf/test_compiler.py runs the CPU and GPU tables through this machine's jaxlib.
 
+Besides flags, one lowering: JAX's threefry random bits on CPU unrolled as on GPU/TPU
+(`unroll_cpu_threefry`, applied with the flags; the same bits, fewer copies).
+
 The one flag jaxrl needs for correctness, not speed (XLA's bf16 excess precision off, so the
 sampler's and the trainer's log-probs agree), is `jaxrl.runtime.configure_xla`: always on.
 Nothing here may change numerics (no fast-math, no NaN-dropping min/max).
