@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,6 +44,9 @@ def main() -> None:
                               [f"train.seed={seed}", f"train.run_dir={tmp}/seed{seed}",
                                "log.tensorboard=false", "log.plot=false", *args.overrides])
             summary = train(cfg, quiet, name=f"seed{seed}")
+            if summary.get("stopped_by"):  # SIGTERM/SIGINT: train() stopped after a step
+                sys.exit(f"seed {seed} was stopped by {summary['stopped_by']} at step "
+                         f"{summary.get('checkpoint_step')}; seeds after it not run")
             records = read_metrics(Path(tmp) / f"seed{seed}" / METRICS_FILE)
             target = summary.get("target_step")
             row = {"seed": seed, "target_step": target,
