@@ -13,8 +13,8 @@ so a trained token costs 6·N + attention (the "6·N per trained token"). The co
 what the programs compute, padding included: training attends over the whole row of
 T = P + C tokens (a masked square), or, with the prompt shared by a group, each prompt once
 (a P x P square) and each row's C tokens over P + C keys, and projects only the C completion
-positions onto the vocabulary; prefill writes P prompt tokens into a cache of S = P + C - 1 slots and attends
-over all of them; a decode step attends one token over the whole cache. Norms, RoPE,
+positions onto the vocabulary; prefill writes P prompt tokens into a cache of S = P + C - 1
+slots and attends over all of them; a decode step attends one token over the whole cache. Norms, RoPE,
 softmax, SwiGLU gates and the optimizer update are elementwise and not counted here, which
 is why XLA's count is a few percent higher on small models.
 """

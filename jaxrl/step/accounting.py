@@ -143,11 +143,12 @@ def _trips(algo: AlgoSection, shapes: StepShapes, model_config: ModelConfig,
            batch_shards: int = 1) -> dict[str, int]:
     minibatch, num_micro = algo.batch_split(shapes.rows)
     updates = algo.num_iterations * algo.num_minibatches
-    group = prompt_group(algo, model_config, shapes.generations, shapes.rows,
-                         shapes.rows // (minibatch // num_micro), batch_shards)
-    return {"micro_rows": minibatch // num_micro, "prompt_group": group,
-            "logprobs": shapes.rows // (minibatch // num_micro) * (
-                (not algo.single_update) + (algo.loss.beta > 0)),
+    micro_rows = minibatch // num_micro
+    slices = shapes.rows // micro_rows  # microbatches of the whole batch
+    group = prompt_group(algo, model_config, shapes.generations, shapes.rows, slices,
+                         batch_shards)
+    return {"micro_rows": micro_rows, "prompt_group": group,
+            "logprobs": slices * ((not algo.single_update) + (algo.loss.beta > 0)),
             "grad": updates * num_micro, "update": updates}
 
 

@@ -143,9 +143,8 @@ def prompt_group(cfg: AlgoSection, model_config: ModelConfig, group_size: int, r
             or rows % slices):
         return 1
     group, per_slice = group_size // slices, rows // slices
-    while group > 1 and (per_slice % group or (per_slice // group) % batch_shards):
-        group = next(d for d in range(group - 1, 0, -1) if group % d == 0)
-    return group
+    return next((d for d in range(group, 1, -1) if group % d == 0 and per_slice % d == 0
+                 and (per_slice // d) % batch_shards == 0), 1)
 
 
 def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
