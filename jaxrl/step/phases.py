@@ -323,15 +323,22 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
             metrics["lr"] = jnp.asarray(lr_schedule(ts.step), jnp.float32)
         if cfg.entropy_decay_start is not None:
             metrics["entropy_coef"] = entropy_coef
-        ts.apply_gradients(grads)
         # A non-finite loss or gradient skips the update: every parameter, moment and count
-        # keeps its value (an elementwise select, fused into the update by XLA).
+        # keeps its value. A conditional, not an elementwise select of new against old: XLA
+        # fuses the select into each parameter's update, reading the old moments there while
+        # the moments' own update writes them in place, and copied every moment first to
+        # keep both (~19 ms a step, 1.5% of the vs-TRL train phase on CPU).
         finite = jnp.isfinite(metrics["grad_norm"])
         for name, value in metrics.items():
             if name.startswith("loss/"):
                 finite &= jnp.isfinite(value)
-        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                 nnx.state(ts), state)
+
+        def apply(state, grads):
+            ts = nnx.merge(graphdef, state, copy=True)
+            ts.apply_gradients(grads)
+            return nnx.state(ts)
+
+        new_state = jax.lax.cond(finite, apply, lambda state, grads: state, state, grads)
         return new_state, (metrics, ~finite)
 
     def iteration(state, _):

@@ -20,6 +20,7 @@ from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state, reference_params
 from jaxrl.step.builder import build_step
 from jaxrl.step.phases import advantages, completion_metrics, prompt_group, shape_rewards
+from jaxrl.step.state import SkipCount
 from tests.conftest import make_tiny_config
 
 CONFIG = make_tiny_config("llama")
@@ -286,3 +287,31 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
     for i, coef in enumerate((0.5, 0.5, 0.25, 0.0)):
         state, _ = steps[coef](state, *_inputs(i))
     _assert_close(_params(nnx.merge(graphdef, state)), params[-1])
+
+
+def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(monkeypatch):
+    from jaxrl.step import phases
+
+    policy_loss = phases.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = policy_loss(*args, **kwargs)
+        return loss * jnp.nan, metrics
+
+    monkeypatch.setattr(phases, "policy_loss", nan_loss)
+    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
+                            _mesh("single"), load_layout("single").train_rules)
+    graphdef, state = nnx.split(ts)
+    before = jax.tree.map(np.array, state)
+    step = build_step(dataclasses.replace(BASE, num_minibatches=2), graphdef,
+                      Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS, optim=OPTIM)
+    state, out = step(state, *_inputs(0))
+    assert int(out.metrics["train/skipped_updates"]) == 2
+    assert int(out.metrics["train/skipped_in_a_row"]) == 1
+    after = nnx.merge(graphdef, state)
+    assert int(after.step) == 0
+    # Params, both Adam moments and the counts, bit for bit (the skip counters moved).
+    kept = jax.tree.map(np.asarray, nnx.state(after, nnx.Not(SkipCount)))
+    want = nnx.state(nnx.merge(graphdef, before), nnx.Not(SkipCount))
+    assert len(jax.tree.leaves(want)) > 2 * len(jax.tree.leaves(_initial_params()))
+    jax.tree.map(np.testing.assert_array_equal, kept, jax.tree.map(np.asarray, want))
