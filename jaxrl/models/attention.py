@@ -193,10 +193,15 @@ class Attention(nnx.Module):
         return out_BxTxKxGxH
 
     def _output(self, out_BxTxKxGxH):
+        """The output projection as one 2-D contraction over the heads' features (n·h): with
+        n and h as two contracted axes XLA:CPU matched their order to the decode attention's
+        layout by transposing the whole o kernel in every decode step (4 x 63 copies of
+        [256, 256] in the vs-TRL step); a flat axis fixes the order at no cost (a bitcast)."""
         cfg = self.config
         b, t, k, g, h = out_BxTxKxGxH.shape
-        out_BxTxE = dense(out_BxTxKxGxH.reshape(b, t, k * g, h),
-                          self.o_kernel[...].astype(cfg.compute_dtype), "btnh,nhe->bte")
+        out_BxTxE = dense(out_BxTxKxGxH.reshape(b, t, k * g * h),
+                          self.o_kernel[...].astype(cfg.compute_dtype).reshape(k * g * h, -1),
+                          "btf,fe->bte")
         if cfg.o_bias:
             out_BxTxE = out_BxTxE + self.o_bias[...].astype(cfg.compute_dtype)
         return out_BxTxE
