@@ -289,7 +289,9 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
     _assert_close(_params(nnx.merge(graphdef, state)), params[-1])
 
 
-def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(monkeypatch):
+@pytest.mark.parametrize("minibatches", [1, 2])  # a conditional; a select inside the loop
+def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(monkeypatch,
+                                                                               minibatches):
     from jaxrl.step import phases
 
     policy_loss = phases.policy_loss
@@ -303,10 +305,10 @@ def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(m
                             _mesh("single"), load_layout("single").train_rules)
     graphdef, state = nnx.split(ts)
     before = jax.tree.map(np.array, state)
-    step = build_step(dataclasses.replace(BASE, num_minibatches=2), graphdef,
+    step = build_step(dataclasses.replace(BASE, num_minibatches=minibatches), graphdef,
                       Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS, optim=OPTIM)
     state, out = step(state, *_inputs(0))
-    assert int(out.metrics["train/skipped_updates"]) == 2
+    assert int(out.metrics["train/skipped_updates"]) == minibatches
     assert int(out.metrics["train/skipped_in_a_row"]) == 1
     after = nnx.merge(graphdef, state)
     assert int(after.step) == 0
