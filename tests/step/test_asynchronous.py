@@ -1,0 +1,75 @@
+"""The asynchronous step on 4 rollout + 4 train CPU devices: staleness 0 gives the
+synchronous step's numbers; staleness k trains batch n on weights min(n, k) updates old."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import Transformer
+from jaxrl.rollout import Sampler
+from jaxrl.sharding import load_layout, make_mesh
+from jaxrl.sharding.submeshes import split_devices
+from jaxrl.step import create_train_state
+from jaxrl.step.asynchronous import AsyncStep
+from tests.step.test_builder import BASE, CONFIG, OPTIM, REWARDS, SAMPLER, _inputs, _params, _run
+
+STEPS = 3
+
+
+@functools.cache
+def _sync():
+    return _run(BASE, steps=STEPS)
+
+
+def _async(max_staleness):
+    rollout_devices, train_devices = split_devices(4)
+    train_layout, rollout_layout = load_layout("fsdp"), load_layout("fsdp_tp")
+    train_mesh = make_mesh(train_layout, train_devices)
+    rollout_mesh = make_mesh(rollout_layout, rollout_devices)
+    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM, train_mesh,
+                            train_layout.train_rules)
+    graphdef, state = nnx.split(ts)
+    sampler = Sampler(nnx.graphdef(ts.model), SAMPLER, mesh=rollout_mesh,
+                      rules=rollout_layout.rollout_rules)
+    step = AsyncStep(BASE, graphdef, sampler, REWARDS, optim=OPTIM,
+                     train=(train_mesh, train_layout.train_rules),
+                     rollout=(rollout_mesh, rollout_layout.rollout_rules),
+                     max_staleness=max_staleness)
+    history, params = [], []
+    for n in range(STEPS):
+        state, out = step(state, n, _inputs)
+        history.append(jax.device_get(out.metrics))
+        params.append(_params(nnx.merge(graphdef, state)))
+    return params, history, step
+
+
+def test_staleness_zero_gives_the_synchronous_steps():
+    params, history, step = _async(0)
+    sync_params, _, sync_history, *_ = _sync()
+    for got, want in zip(history, sync_history, strict=True):
+        assert got["async/staleness_max"] == 0
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 params[-1], sync_params[-1])
+    assert not step.queue and step.sync_bytes > 0
+
+
+def test_staleness_one_trains_each_batch_on_weights_one_update_old():
+    params, history, step = _async(1)
+    assert [h["async/staleness_max"] for h in history] == [0, 1, 1]
+    assert len(step.queue) == 1 and step.queue[0].step == STEPS  # made, not yet trained
+    _, _, sync_history, *_ = _sync()
+    # Step 0 generates and trains on the initial weights: the synchronous step 0.
+    for name, value in sync_history[0].items():
+        np.testing.assert_allclose(history[0][name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    # The importance weight pi_train / pi_sampler (tis_cap 2) is 1 where the sampler had the
+    # trained weights, and not where it had the weights one update older.
+    assert abs(history[0]["tis/weight_mean"] - 1) < 1e-5
+    for h in history[1:]:
+        assert abs(h["tis/weight_mean"] - 1) > 1e-4 and np.isfinite(h["loss/policy"])
+    with pytest.raises(ValueError, match="called for step 5, but its queue starts at 3"):
+        step(None, 5, _inputs)
