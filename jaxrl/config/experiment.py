@@ -63,11 +63,12 @@ class ExperimentConfig:
             raise ValueError(f"rollout.temperature must be > 0 to train (the trainer scores "
                              f"each token under the distribution it was sampled from), got "
                              f"{rollout.temperature}")
-        if algo.loss.tis_cap is not None and rollout.temperature != 1.0:
-            # TIS divides by the sampler's temperature-1 log-probs (logp_raw_BxC); at another
-            # temperature the ratio would compare two different distributions.
-            raise ValueError(f"algo.loss.tis_cap needs rollout.temperature=1.0 (the sampler's "
-                             f"log-probs it corrects are at temperature 1), got "
+        if algo.loss.uses_sampler_logp and rollout.temperature != 1.0:
+            # The correction divides by the sampler's temperature-1 log-probs (logp_raw_BxC);
+            # at another temperature the ratio would compare two different distributions.
+            raise ValueError(f"algo.loss.correction={algo.loss.correction!r} with tis_cap="
+                             f"{algo.loss.tis_cap} needs rollout.temperature=1.0 (the "
+                             f"sampler's log-probs it corrects are at temperature 1), got "
                              f"{rollout.temperature}")
         rows = self.data.batch_size * rollout.num_generations
         try:

@@ -7,7 +7,16 @@ Per completion token t of sequence i (mask m_it = 1), with advantage A_i:
              = exp(sum_t m_it (logp_it - old_logp_it) / |y_i|)    "sequence" (GSPO), the same
                                                                   for every token of sequence i
     pg_it    = -min(ratio_it · A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) · A_i)
-    w_it     = min(exp(old_logp_it - sampler_logp_it), tis_cap)   truncated IS (1 when off)
+    w_it     = the behaviour weight, from rho_it = exp(old_logp_it - sampler_logp_it):
+               "tis"        min(rho_it, tis_cap)                   truncated IS (1 when no cap)
+               "mis"        rho_it · [rho_it <= tis_cap]           masked IS: a token whose
+                                                                   weight passes the cap drops
+               "decoupled"  rho_it                                 decoupled PPO (AReaL): the
+                                                                   clip is against the proximal
+                                                                   policy old_logp, the weight
+                                                                   corrects for the behaviour
+               "none"       1, and the ratio's old_logp is the sampler's own (plain PPO against
+                            the policy that generated: its clip absorbs the staleness)
     kl_it    = k(log r_it),  log r_it = ref_logp_it - logp_it     Schulman's estimators of
                k1 = -log r,  k2 = (log r)^2 / 2,  k3 = r - 1 - log r      KL(pi || ref)
     l_it     = w_it · pg_it + beta · kl_it - entropy_coef · H_it
@@ -35,10 +44,17 @@ Deliberate choices:
   garbage log-probs at padding (an overflowing ratio) give neither a NaN loss nor a NaN
   gradient, and their gradient is exactly 0.
 
+The sampler's log-probs are the behaviour policy (under asynchronous RL, weights up to k
+updates older than old_logp's); old_logp is the trainer's own forward at the weights before
+this batch's first update (the proximal policy).
+
 Metrics, float32 scalars: `loss/policy` (aggregated w · pg), `loss/kl` (0 when beta = 0),
 `clip_frac` (fraction of valid tokens whose clipped branch is strictly smaller, so has no
 gradient), `entropy` (token mean of H, when given) and `tis/weight_mean` (token mean of w,
-when tis_cap is set).
+when tis_cap is set). With the sampler's log-probs: `async/ratio_mean` (token mean of rho),
+`async/ratio_clipped_frac` (tokens whose rho passes tis_cap: truncated or masked) and
+`async/kl_behaviour` (k3 estimate of KL(behaviour || proximal) from the behaviour's samples,
+log r = old_logp - sampler_logp).
 """
 
 from __future__ import annotations
@@ -54,6 +70,7 @@ import jax.numpy as jnp
 ImportanceLevel = Literal["token", "sequence"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+Correction = Literal["tis", "mis", "decoupled", "none"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +85,12 @@ class PolicyLossConfig:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    correction: Correction = "tis"  # how the behaviour (sampler) policy is corrected for
 
     def __post_init__(self):
         for name, choices in (("importance_level", ImportanceLevel),
-                              ("aggregation", Aggregation), ("kl_estimator", KLEstimator)):
+                              ("aggregation", Aggregation), ("kl_estimator", KLEstimator),
+                              ("correction", Correction)):
             value = getattr(self, name)
             if value not in typing.get_args(choices):
                 raise ValueError(f"{name} must be one of {typing.get_args(choices)}, "
@@ -89,6 +108,17 @@ class PolicyLossConfig:
                              f"got {self.entropy_coef}")
         if self.tis_cap is not None and not 0 < self.tis_cap < math.inf:
             raise ValueError(f"tis_cap must be finite and > 0, or None (off), got {self.tis_cap}")
+        if self.correction == "mis" and self.tis_cap is None:
+            raise ValueError("correction='mis' masks tokens whose weight passes tis_cap: set "
+                             "tis_cap (e.g. 2.0)")
+        if self.correction in ("decoupled", "none") and self.tis_cap is not None:
+            raise ValueError(f"correction={self.correction!r} takes no cap, got tis_cap="
+                             f"{self.tis_cap} (a capped weight is correction='tis')")
+
+    @property
+    def uses_sampler_logp(self) -> bool:
+        """Whether the loss reads the sampler's log-probs."""
+        return self.correction != "tis" or self.tis_cap is not None
 
 
 def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array,
@@ -136,9 +166,9 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     """
     if cfg.beta > 0 and ref_logp_BxT is None:
         raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
-    if cfg.tis_cap is not None and sampler_logp_BxT is None:
-        raise ValueError(f"tis_cap={cfg.tis_cap} turns on truncated importance sampling: "
-                         f"pass sampler_logp_BxT")
+    if cfg.uses_sampler_logp and sampler_logp_BxT is None:
+        raise ValueError(f"correction={cfg.correction!r} with tis_cap={cfg.tis_cap} reads the "
+                         f"sampler's log-probs: pass sampler_logp_BxT")
     if cfg.aggregation == "seq_mean_token_sum_norm":
         if max_completion_len is None or max_completion_len < 1:
             raise ValueError(f"aggregation='seq_mean_token_sum_norm' (Dr. GRPO) divides by a "
@@ -173,6 +203,18 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
             per_seq_B = jnp.sum(x_BxT, axis=1) / max_completion_len
         return jnp.sum(per_seq_B) / num_seqs
 
+    metrics = {}
+    if sampler_logp_BxT is not None:
+        log_rho_BxT = masked(old_logp_BxT) - masked(sampler_logp_BxT)
+        rho_BxT = jax.lax.stop_gradient(jnp.exp(log_rho_BxT))
+        metrics["async/ratio_mean"] = jnp.sum(masked(rho_BxT)) / num_tokens
+        passed_BxT = (rho_BxT > cfg.tis_cap) if cfg.tis_cap is not None else \
+            jnp.zeros_like(valid_BxT)
+        metrics["async/ratio_clipped_frac"] = jnp.sum(masked(passed_BxT)) / num_tokens
+        metrics["async/kl_behaviour"] = jnp.sum(
+            masked(jax.lax.stop_gradient(jnp.expm1(log_rho_BxT) - log_rho_BxT))) / num_tokens
+        if cfg.correction == "none":
+            old_logp_BxT = sampler_logp_BxT
     logp_BxT = masked(logp_BxT)
     log_ratio_BxT = logp_BxT - masked(old_logp_BxT)
     if cfg.importance_level == "sequence":
@@ -183,13 +225,17 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     unclipped_BxT = ratio_BxT * adv_Bx1
     clipped_BxT = jnp.clip(ratio_BxT, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv_Bx1
     pg_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
-    metrics = {"clip_frac": jnp.sum(masked(clipped_BxT < unclipped_BxT)) / num_tokens}
+    metrics["clip_frac"] = jnp.sum(masked(clipped_BxT < unclipped_BxT)) / num_tokens
 
-    if cfg.tis_cap is not None:
-        log_w_BxT = masked(old_logp_BxT) - masked(sampler_logp_BxT)
-        tis_w_BxT = jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w_BxT), cfg.tis_cap))
-        pg_BxT = pg_BxT * tis_w_BxT
-        metrics["tis/weight_mean"] = jnp.sum(masked(tis_w_BxT)) / num_tokens
+    if cfg.correction != "none" and cfg.uses_sampler_logp:
+        if cfg.correction == "tis":
+            w_BxT = jnp.minimum(rho_BxT, cfg.tis_cap)
+        elif cfg.correction == "mis":
+            w_BxT = jnp.where(passed_BxT, 0.0, rho_BxT)
+        else:
+            w_BxT = rho_BxT
+        pg_BxT = pg_BxT * w_BxT
+        metrics["tis/weight_mean"] = jnp.sum(masked(w_BxT)) / num_tokens
     metrics["loss/policy"] = aggregate(pg_BxT)
     per_token_BxT = pg_BxT
 

@@ -260,7 +260,7 @@ class _Phases:
             mb["old_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         if self.algo.loss.beta > 0:
             mb["ref_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
-        if self.algo.loss.tis_cap is not None:
+        if self.algo.loss.uses_sampler_logp:
             mb["sampler_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         return mb
 

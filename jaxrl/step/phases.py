@@ -288,7 +288,7 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
                                               total_micro, temperature,
                                               cfg.logprob_chunk_size, group)
-    if cfg.loss.tis_cap is None:
+    if not cfg.loss.uses_sampler_logp:
         del batch["sampler_logp_BxC"]
 
     def loss_fn(model, mb, num_tokens, num_seqs, entropy_coef=None):

@@ -55,7 +55,7 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     (["data.source=prompts.jsonl"], ["data.source", "data.task=addition"]),
     (["rollout.temperature=0"], ["rollout.temperature must be > 0 to train", "got 0"]),
     (["rollout.temperature=0.7", "algo.loss.tis_cap=2.0"],
-     ["algo.loss.tis_cap needs rollout.temperature=1.0", "0.7"]),
+     ["algo.loss.correction='tis' with tis_cap=2.0 needs rollout.temperature=1.0", "0.7"]),
     (["sharding.layout=nope"], ["nope", "fsdp_tp"]),
     (["perf.peak_tflops=0"], ["perf.peak_tflops", "0"]),
     (["train.reward_error_frac=1.5"], ["train.reward_error_frac must be in [0, 1]", "1.5"]),

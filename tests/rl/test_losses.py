@@ -155,6 +155,49 @@ def test_truncated_importance_sampling_weights_the_policy_term():
     np.testing.assert_allclose(metrics["tis/weight_mean"], 1.25, rtol=1e-6)
 
 
+@pytest.mark.parametrize("correction,cap,loss,weight", [
+    # rho = exp(old - sampler) = [0.5, 3]; ratio 1, A = 1: per-token loss -w, token mean.
+    ("tis", 2.0, -(0.5 + 2.0) / 2, (0.5 + 2.0) / 2),  # truncated at the cap
+    ("mis", 2.0, -(0.5 + 0.0) / 2, (0.5 + 0.0) / 2),  # the token past the cap drops
+    ("decoupled", None, -(0.5 + 3.0) / 2, (0.5 + 3.0) / 2),  # the whole weight
+])
+def test_behaviour_corrections_by_hand(correction, cap, loss, weight):
+    old = jnp.zeros((1, 2))
+    sampler = -jnp.log(jnp.array([[0.5, 3.0]]))
+    cfg = PolicyLossConfig(tis_cap=cap, correction=correction)
+    got, metrics = policy_loss(old, old, jnp.ones(1), jnp.ones((1, 2)), cfg,
+                               sampler_logp_BxT=sampler)
+    np.testing.assert_allclose(got, loss, rtol=1e-6)
+    np.testing.assert_allclose(metrics["tis/weight_mean"], weight, rtol=1e-6)
+    np.testing.assert_allclose(metrics["async/ratio_mean"], 1.75, rtol=1e-6)
+    np.testing.assert_allclose(metrics["async/ratio_clipped_frac"], 0.5 if cap else 0.0)
+    # k3 of KL(behaviour || proximal): rho - 1 - log rho, token mean.
+    k3 = np.mean([0.5 - 1 - np.log(0.5), 3.0 - 1 - np.log(3.0)])
+    np.testing.assert_allclose(metrics["async/kl_behaviour"], k3, rtol=1e-6)
+
+
+def test_no_correction_clips_against_the_behaviour_policy():
+    # correction "none": the ratio is pi / pi_sampler. logp = old = 0, sampler = ln 0.5 and
+    # ln 3 -> ratios [2, 1/3]; eps 0.2, A = 1: min(r, clip(r)) = [1.2, 1/3]; mean -0.7667.
+    logp = jnp.zeros((1, 2))
+    sampler = jnp.log(jnp.array([[0.5, 3.0]]))
+    got, metrics = policy_loss(logp, logp, jnp.ones(1), jnp.ones((1, 2)),
+                               PolicyLossConfig(correction="none"), sampler_logp_BxT=sampler)
+    np.testing.assert_allclose(got, -(1.2 + 1 / 3) / 2, rtol=1e-6)
+    assert "tis/weight_mean" not in metrics and metrics["clip_frac"] == 0.5
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(correction="mis"), "correction='mis' masks .*set tis_cap"),
+    (dict(correction="decoupled", tis_cap=2.0), "correction='decoupled' takes no cap"),
+    (dict(correction="none", tis_cap=2.0), "correction='none' takes no cap"),
+    (dict(correction="is"), "correction must be one of"),
+])
+def test_bad_corrections_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyLossConfig(**kwargs)
+
+
 @pytest.mark.parametrize("importance_level", ["token", "sequence"])
 @pytest.mark.parametrize("aggregation",
                          ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
@@ -183,6 +226,7 @@ def test_bad_config_names_the_field_and_value(field, value):
 @pytest.mark.parametrize(("cfg", "message"), [
     (PolicyLossConfig(beta=0.1), "beta=0.1 .*ref_logp_BxT"),
     (PolicyLossConfig(tis_cap=2.0), "tis_cap=2.0 .*sampler_logp_BxT"),
+    (PolicyLossConfig(correction="decoupled"), "correction='decoupled'.*sampler_logp_BxT"),
     (PolicyLossConfig(aggregation="seq_mean_token_sum_norm"), "max_completion_len"),
     (PolicyLossConfig(entropy_coef=0.1), "entropy_coef=0.1 .*entropy_BxT"),
 ])
