@@ -27,7 +27,8 @@ policy is its own forward at the weights being updated, so `loss.tis_cap` weighs
 by min(pi_prox / pi_behaviour, cap) (decoupled PPO with truncated importance weights).
 
 Metrics added to each step: `async/staleness_mean`, `async/staleness_max` (updates between
-the weights that generated the batch and the weights it trains), `time/weight_sync_bytes`.
+the weights that generated the batch and the weights it trains), `async/weight_sync_bytes`
+(the bytes of the weights moved).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class AsyncStep:
             state, rollout, inputs, host_values, ref_params)
         staleness = float(step - made.version)
         out.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
-                            "time/weight_sync_bytes": float(self.sync_bytes)})
+                            "async/weight_sync_bytes": float(self.sync_bytes)})
         return state, out
 
     @staticmethod

@@ -56,6 +56,7 @@ def test_staleness_zero_gives_the_synchronous_steps():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  params[-1], sync_params[-1])
     assert not step.queue and step.sync_bytes > 0
+    assert history[0]["async/weight_sync_bytes"] == step.sync_bytes
 
 
 def test_staleness_one_trains_each_batch_on_weights_one_update_old():
