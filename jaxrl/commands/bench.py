@@ -91,19 +91,24 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     log = MetricsLog(run.run_dir, tensorboard=False)
     recorder = StepRecorder(run, started.pre, log)
     tracing = False
+    drawn: dict[int, tuple[Any, dict[str, float]]] = {}  # each step's batch, at its draw
+
+    def batch_of(step: int) -> tuple[Any, ...]:
+        batch, placed = started.batch(step)
+        drawn[step] = (batch, run.batches.metrics())
+        return (*placed, jax.random.fold_in(started.key, step))
+
     try:
         for i in range(warmup + steps):
             if i == warmup and profile_dir is not None:
                 jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
                 tracing = True
-            batch, placed = started.batch(i)
             start = time.perf_counter()
-            state, out = run.step(state, *placed, jax.random.fold_in(started.key, i),
-                                  run.ref_params)
+            state, out = run.step.step_at(state, i, batch_of, run.ref_params)
             jax.block_until_ready(out)
             step_s = time.perf_counter() - start
-            record = recorder.record(i, out, batch.all_positions_B, run.batches.metrics(),
-                                     step_s=step_s)
+            batch, data_metrics = drawn.pop(i)
+            record = recorder.record(i, out, batch.all_positions_B, data_metrics, step_s=step_s)
             phase = "warm-up" if i < warmup else "measured"
             console.print(f"step {i + 1}/{warmup + steps} ({phase}): {step_s * 1e3:.1f} ms")
             if i >= warmup:

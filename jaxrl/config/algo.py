@@ -22,7 +22,7 @@ from jaxrl.rl import PolicyLossConfig
 from jaxrl.rl.advantages import ScaleRewards
 
 AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo"]
-StepMode = Literal["fused", "split"]
+StepMode = Literal["fused", "split", "async"]
 
 
 def _require_int(section: str, obj: object, names: tuple[str, ...], optional: bool) -> None:
@@ -65,6 +65,9 @@ class AlgoSection:
     entropy_decay_start: int | None = None
     entropy_decay_steps: int = 1
     mode: StepMode = "fused"
+    # async only: a batch is trained on at most this many updates after the weights that
+    # generated it (jaxrl.step.asynchronous; 0: the synchronous algorithm on two sub-meshes).
+    max_staleness: int = 1
     # Vocabulary columns per chunk of the completion log-probs; None: whole logits; "auto":
     # `resolve_logprob_chunk`.
     logprob_chunk_size: int | str | None = "auto"
@@ -80,8 +83,8 @@ class AlgoSection:
                 fail("algo", self, name, f"one of {typing.get_args(choices)}")
         if not isinstance(self.loss, PolicyLossConfig):
             fail("algo", self, "loss", "a PolicyLossConfig")
-        _require_int("algo", self, ("num_iterations", "num_minibatches", "entropy_decay_steps"),
-                     optional=False)
+        _require_int("algo", self, ("num_iterations", "num_minibatches", "entropy_decay_steps",
+                                    "max_staleness"), optional=False)
         _require_int("algo", self, ("microbatch_size", "overlong_buffer",
                                     "entropy_decay_start"), optional=True)
         if self.logprob_chunk_size != "auto":
@@ -91,7 +94,7 @@ class AlgoSection:
             require_at_least("algo", self, ("logprob_chunk_size",))
         require_at_least("algo", self, ("num_iterations", "num_minibatches", "microbatch_size",
                                         "overlong_buffer", "entropy_decay_steps"))
-        require_at_least("algo", self, ("entropy_decay_start",), 0)
+        require_at_least("algo", self, ("entropy_decay_start", "max_staleness"), 0)
         if self.entropy_decay_start is not None and not self.loss.entropy_coef > 0:
             fail("algo", self, "entropy_decay_start",
                  "None when algo.loss.entropy_coef is 0 (there is no bonus to decay)")

@@ -4,6 +4,7 @@
     model.init      the sizes and family of that random policy
     sharding.layout a preset name in sharding/, a path to a layout YAML, or `auto`: one
                     device -> `single`, several -> `fsdp` over all of them
+    sharding.rollout_devices, rollout_layout   the rollout side of algo.mode=async
 """
 
 from __future__ import annotations
@@ -73,3 +74,22 @@ class ShardingSection:
     """`sharding`: the layout (module docstring)."""
 
     layout: str = "auto"  # a preset name in sharding/, a layout YAML's path, or auto
+    # algo.mode=async only: the devices that generate (a count, or a fraction of all devices,
+    # rounded down; jaxrl.sharding.submeshes), laid out by rollout_layout (null: `layout`);
+    # the rest train, laid out by `layout`.
+    rollout_devices: float = 0.5
+    rollout_layout: str | None = None
+
+    def __post_init__(self):
+        value = self.rollout_devices
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                value >= 1 and value == int(value) or 0 < value < 1):
+            fail("sharding", self, "rollout_devices",
+                 "a device count (an integer >= 1) or a fraction of the devices in (0, 1)")
+
+    @property
+    def rollout_share(self) -> int | float:
+        """`rollout_devices` as `split_devices` reads it: a count as an int (YAML's float
+        field holds 4 as 4.0), a fraction as a float."""
+        value = self.rollout_devices
+        return int(value) if value >= 1 else float(value)

@@ -39,6 +39,8 @@ with the per-prompt success and signal of the batch it drew for `step` (global p
 Results arrive late and at varying times, so an observation only takes effect when the batch
 of step `step + LAG` is drawn: the batch of step n sees exactly the observations of steps
 0..n-LAG, whenever they arrived, and it is an error to draw it before step n-LAG is observed.
+(LAG is the `lag` of the sampler: LAG + max_staleness in algo.mode=async, whose batches are
+drawn that many steps before their turn.)
 `none` and `ordered` accept observations and ignore them.
 
 `state()` is a flat dict of str -> numpy arrays (0-d for scalars: an orbax pytree restored
@@ -213,33 +215,36 @@ class PassRateSampler(PromptSampler):
     kind = "pass_rate"
 
     def __init__(self, num_prompts: int, batch_size: int, seed: int,
-                 config: PassRateConfig | None = None):
+                 config: PassRateConfig | None = None, lag: int = LAG):
         super().__init__(num_prompts, batch_size, seed)
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"lag must be an integer >= 1, got {lag!r}")
+        self.lag = lag
         self.config = config or PassRateConfig()
         self._step = 0
         self._pass_N = np.zeros(num_prompts)
         self._signal_N = np.zeros(num_prompts)
         self._seen_N = np.zeros(num_prompts, bool)
-        # Slot k holds the draw of step `_step - LAG + k` and, once observed, its success.
-        self._recent_LxB = np.full((LAG, batch_size), -1, np.int64)
-        self._observed_L = np.zeros(LAG, bool)
-        self._success_LxB = np.zeros((LAG, batch_size))
-        self._signal_LxB = np.zeros((LAG, batch_size))
+        # Slot k holds the draw of step `_step - self.lag + k` and, once observed, its success.
+        self._recent_LxB = np.full((self.lag, batch_size), -1, np.int64)
+        self._observed_L = np.zeros(self.lag, bool)
+        self._success_LxB = np.zeros((self.lag, batch_size))
+        self._signal_LxB = np.zeros((self.lag, batch_size))
 
     @property
     def step(self) -> int:
         return self._step
 
     def weights(self) -> np.ndarray:
-        """weight_N from the observations applied so far (steps 0..step-1-LAG)."""
+        """weight_N from the observations applied so far (steps 0..step-1-lag)."""
         return signal_weight(self._signal_N, self._seen_N, self.config)
 
     def draw(self) -> np.ndarray:
-        due = self._step - LAG
+        due = self._step - self.lag
         if due >= 0:
             if not self._observed_L[0]:
                 raise ValueError(f"the batch of step {self._step} needs the observation of "
-                                 f"step {due} (pass_rate curriculum, LAG={LAG}): call "
+                                 f"step {due} (pass_rate curriculum, lag={self.lag}): call "
                                  f"observe({due}, positions_B, success_B) first")
             self._apply(self._recent_LxB[0], self._success_LxB[0], self._signal_LxB[0])
         weight_N = self.weights()
@@ -272,10 +277,10 @@ class PassRateSampler(PromptSampler):
         if not 0 <= step < self._step:
             raise ValueError(f"observe(step={step}): only steps 0..{self._step - 1} have "
                              f"been drawn")
-        slot = step - (self._step - LAG)
+        slot = step - (self._step - self.lag)
         if slot < 0:
             raise ValueError(f"observe(step={step}) comes too late: the batch of step "
-                             f"{step + LAG} has already been drawn without it")
+                             f"{step + self.lag} has already been drawn without it")
         if self._observed_L[slot]:
             raise ValueError(f"step {step} was already observed")
         positions_B, success_B = np.asarray(positions_B), np.asarray(success_B, np.float64)
@@ -310,11 +315,11 @@ class PassRateSampler(PromptSampler):
         return out
 
     def _spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        n, b = self.num_prompts, self.batch_size
+        n, b, lag = self.num_prompts, self.batch_size, self.lag
         return {"step": ((), _INT), "pass_rate_N": ((n,), _FLOAT), "signal_N": ((n,), _FLOAT),
-                "seen_N": ((n,), _BOOL), "recent_positions_LxB": ((LAG, b), _INT),
-                "recent_observed_L": ((LAG,), _BOOL), "recent_success_LxB": ((LAG, b), _FLOAT),
-                "recent_signal_LxB": ((LAG, b), _FLOAT)}
+                "seen_N": ((n,), _BOOL), "recent_positions_LxB": ((lag, b), _INT),
+                "recent_observed_L": ((lag,), _BOOL), "recent_success_LxB": ((lag, b), _FLOAT),
+                "recent_signal_LxB": ((lag, b), _FLOAT)}
 
     def _own_state(self) -> dict[str, np.ndarray]:
         return {"step": np.asarray(self._step, np.int64), "pass_rate_N": self._pass_N.copy(),
@@ -325,7 +330,7 @@ class PassRateSampler(PromptSampler):
 
     def _set_state(self, state: dict[str, np.ndarray]) -> None:
         step, recent_LxB = int(state["step"]), state["recent_positions_LxB"]
-        drawn_L = np.arange(step - LAG, step) >= 0
+        drawn_L = np.arange(step - self.lag, step) >= 0
         if step < 0:
             raise ValueError(f"prompt sampler state step={step} is negative")
         if not (np.all((recent_LxB[drawn_L] >= 0) & (recent_LxB[drawn_L] < self.num_prompts))
@@ -362,8 +367,10 @@ def _checked_difficulty(difficulty_N: np.ndarray, num_prompts: int) -> np.ndarra
 
 def make_prompt_sampler(kind: Curriculum, num_prompts: int, batch_size: int, seed: int, *,
                         difficulty_N: np.ndarray | None = None,
-                        group_size: int = 1) -> PromptSampler:
-    """The sampler of curriculum `kind` (difficulty_N only for `ordered`, group_size is G)."""
+                        group_size: int = 1, lag: int = LAG) -> PromptSampler:
+    """The sampler of curriculum `kind` (difficulty_N only for `ordered`, group_size is G;
+    `lag`: the steps between a step and the first draw that sees its results, for
+    `pass_rate`: LAG, or LAG + max_staleness when batches are drawn that far ahead)."""
     if kind not in CURRICULA:
         raise ValueError(f"unknown curriculum {kind!r}; expected one of {list(CURRICULA)}")
     if (kind == "ordered") != (difficulty_N is not None):
@@ -371,5 +378,5 @@ def make_prompt_sampler(kind: Curriculum, num_prompts: int, batch_size: int, see
                          "prompt)" if kind == "ordered" else
                          f"difficulty_N is only used by the 'ordered' curriculum, not {kind!r}")
     if kind == "pass_rate":
-        return PassRateSampler(num_prompts, batch_size, seed, PassRateConfig(group_size))
+        return PassRateSampler(num_prompts, batch_size, seed, PassRateConfig(group_size), lag)
     return EpochSampler(num_prompts, batch_size, seed, difficulty_N=difficulty_N)

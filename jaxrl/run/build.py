@@ -1,6 +1,7 @@
 """Everything a training run needs, built from its config: `build_run(cfg, run_dir, console)`.
 
-    mesh        from the layout preset (train and rollout rule sets)
+    mesh        from the layout preset (train and rollout rule sets); algo.mode=async splits
+                the devices: `mesh` trains, `rollout_mesh` generates (its own layout)
     tokenizer   the model directory's, or the task's own (synthetic tasks)
     policy      `model.path` loaded straight into the train layout; with `model.path: null`
                 a random `model.init` policy is made, saved with the tokenizer in HF format
@@ -8,7 +9,8 @@
     task        prompt rows, verifier rewards, the fields they read
     batches     tokenized, left-padded prompt batches (drops over-long prompts, counted),
                 which prompts each step takes chosen by `data.curriculum`
-    step        the fused/split RL step program(s) over a donated train state
+    step        the fused/split RL step program(s) over a donated train state, or the
+                asynchronous step (`jaxrl.step.asynchronous`) over the two meshes
 
 Nothing here runs a step; a bad value (a missing column, a prompt set that does not fit)
 fails here, before anything compiles.
@@ -35,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config.algo import resolve_logprob_chunk
-from jaxrl.data.curriculum import make_prompt_sampler
+from jaxrl.data.curriculum import LAG, make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
@@ -46,6 +48,9 @@ from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.placement import Placed, Placement
 from jaxrl.run.run_dir import INIT_MODEL_DIR
 from jaxrl.sharding import Layout, create_sharded, make_mesh, resolve_layout
+from jaxrl.sharding.layout import LayoutError
+from jaxrl.sharding.submeshes import split_devices
+from jaxrl.step.asynchronous import AsyncStep
 from jaxrl.step.builder import Step, build_step
 from jaxrl.step.state import reference_params, train_state_from_model
 
@@ -63,8 +68,14 @@ class Run:
     model_config: ModelConfig
     batches: PromptBatches
     placement: Placement
-    step: Step
+    step: Step | AsyncStep
     ref_params: nnx.State | None  # the frozen KL reference (algo.loss.beta > 0), else None
+    rollout_mesh: Mesh | None = None  # algo.mode=async: the generating devices (`mesh` trains)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the step runs on (both meshes in async mode)."""
+        return self.mesh.size + (self.rollout_mesh.size if self.rollout_mesh is not None else 0)
 
     @property
     def rows(self) -> int:
@@ -76,7 +87,7 @@ class Run:
         return self.placement.place(batch, self.cfg.data.batch_size)
 
 
-def policy(step: Step, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+def policy(step: Step | AsyncStep, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of the policy model inside a train `state` (not a copy: do not
     donate it)."""
     return nnx.split(nnx.merge(step.graphdef, state).model)
@@ -110,8 +121,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         task = make_task(cfg.data, seed=cfg.train.seed)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
-    layout = resolve_layout(cfg.sharding.layout)
-    mesh = make_mesh(layout)
+    layout, mesh, rollout_layout, rollout_mesh = _meshes(cfg)
     model_path = cfg.model.path
     if model_path is None:
         if task.tokenizer is None:
@@ -136,6 +146,15 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                   f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
                   f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}, "
                   f"layout {layout.name}")
+    if rollout_mesh is not None:
+        console.print(f"[bold]async[/]: {rollout_mesh.size} rollout devices (mesh "
+                      f"{dict(rollout_mesh.shape)}, layout {rollout_layout.name}) and "
+                      f"{mesh.size} train devices; batches trained at most "
+                      f"{cfg.algo.max_staleness} updates after the weights that made them")
+        if cfg.algo.max_staleness > 0 and not cfg.algo.loss.uses_sampler_logp:
+            console.print("[yellow]async[/]: no off-policy correction (algo.loss.correction="
+                          "tis without tis_cap): stale batches are trained as if on-policy; "
+                          "set algo.loss.tis_cap (e.g. 2.0) or algo.loss.correction=decoupled")
 
     try:
         batches = PromptSource(
@@ -151,7 +170,9 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
             difficulty_N = np.asarray(column, np.float64)[batches.rows_N]
         batches.use_sampler(make_prompt_sampler(
             cfg.data.curriculum, batches.num_prompts, batches.batch_size, batches.seed,
-            difficulty_N=difficulty_N, group_size=cfg.rollout.num_generations))
+            difficulty_N=difficulty_N, group_size=cfg.rollout.num_generations,
+            # Async mode draws batches max_staleness steps before their turn.
+            lag=LAG + (cfg.algo.max_staleness if cfg.algo.mode == "async" else 0)))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data.curriculum={cfg.data.curriculum}: {e}") from None
     placement = Placement(mesh, layout.train_rules, task, tokenizer)
@@ -171,8 +192,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
             tokenizer, model_config, cfg.rollout.stop_token_ids),
         pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params(),
         engine=cfg.rollout.engine_config())
-    sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=mesh,
-                      rules=layout.rollout_rules)
+    sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=rollout_mesh or mesh,
+                      rules=rollout_layout.rollout_rules)
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
@@ -183,11 +204,42 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         algo = dataclasses.replace(algo, mode="split")
         console.print(f"[bold]algo.mode[/]: split (Python rewards on {jax.process_count()} "
                       f"processes: each scores its own rows; same results as fused)")
-    step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
-                      rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
+    if rollout_mesh is not None:
+        step = AsyncStep(algo, graphdef, sampler, rewards, optim=cfg.optim,
+                         train=(mesh, layout.train_rules),
+                         rollout=(rollout_mesh, rollout_layout.rollout_rules),
+                         max_staleness=algo.max_staleness, phase_times=_phase_times(cfg, mesh))
+    else:
+        step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
+                          rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
     run = Run(cfg, run_dir, mesh, layout, tokenizer, task, model_config, batches, placement,
-              step, ref_params)
+              step, ref_params, rollout_mesh)
     return run, state
+
+
+def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
+    """(train layout, train mesh, rollout layout, rollout mesh): one mesh over every device
+    (the rollout mesh None), or in async mode the devices split by sharding.rollout_devices,
+    each side laid out by its own preset (`auto` resolved for its own device count)."""
+    section = cfg.sharding
+    if cfg.algo.mode != "async":
+        layout = resolve_layout(section.layout)
+        return layout, make_mesh(layout), layout, None
+    if jax.device_count() < 2:
+        raise ConfigError(f"algo.mode=async needs at least 2 devices (a rollout side and a "
+                          f"train side), found {jax.device_count()}; use algo.mode=fused")
+    try:
+        rollout_devices, train_devices = split_devices(section.rollout_share)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    layout = resolve_layout(section.layout, len(train_devices))
+    try:
+        rollout_layout = resolve_layout(section.rollout_layout or section.layout,
+                                        len(rollout_devices))
+    except (FileNotFoundError, LayoutError) as e:
+        raise ConfigError(f"sharding.rollout_layout={section.rollout_layout}: {e}") from None
+    return (layout, make_mesh(layout, train_devices), rollout_layout,
+            make_mesh(rollout_layout, rollout_devices))
 
 
 def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path: Path,

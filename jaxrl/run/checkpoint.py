@@ -7,6 +7,9 @@ A checkpoint named k is taken after k steps (steps 0..k-1 done) and holds four i
     data       the prompt iterator and curriculum state (numpy arrays, `PromptBatches.state`)
     meta       JSON: the step, the run's base PRNG key, the jaxrl version
 
+and an asynchronous run's (algo.mode=async) also `queue` and `queue_meta`: the batches made
+but not yet trained on (`jaxrl.run.async_queue`).
+
 Saves are asynchronous: `save` returns once the arrays are copied off the device (the next
 step may donate them at once) and the files are written in a background thread; orbax writes
 into a temporary directory and renames it when complete, so a process killed mid-save leaves
@@ -97,18 +100,38 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: nnx.State, data: dict[str, np.ndarray],
-             key: jax.Array) -> None:
+             key: jax.Array, queue: tuple[dict[str, Any], dict[str, Any]] | None = None
+             ) -> None:
         """Starts saving checkpoint `step`: returns once `state` may be donated. `data` (the
-        iterator's state) must not be empty."""
+        iterator's state) must not be empty. `queue`: (arrays, JSON) of the asynchronous
+        step's untrained batches (`jaxrl.run.async_queue`), saved as two more items."""
         if not data:
             raise ValueError("a checkpoint needs the prompt iterator's state; got no arrays")
         meta = {"step": int(step), "key": np.asarray(jax.random.key_data(key)).tolist(),
                 "key_impl": str(jax.random.key_impl(key)), "jaxrl_version": __version__}
-        self._manager.save(step, args=ocp.args.Composite(
+        items = dict(
             model=ocp.args.StandardSave(nnx.to_pure_dict(state["model"])),
             optimizer=ocp.args.StandardSave(nnx.to_pure_dict(state["optimizer"])),
             data=ocp.args.StandardSave(data),
-            meta=ocp.args.JsonSave(meta)), force=True)
+            meta=ocp.args.JsonSave(meta))
+        if queue is not None:
+            arrays, queue_meta = queue
+            items["queue_meta"] = ocp.args.JsonSave(queue_meta)
+            if arrays:
+                items["queue"] = ocp.args.StandardSave(arrays)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def restore_queue(self, step: int, target: dict[str, Any] | None
+                      ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(arrays into the layout of `target`, JSON) of checkpoint `step`'s queue items
+        (`save`); (None, {}) when it has none. `target` None: only the JSON is read."""
+        if not (self.directory / str(step) / "queue_meta").exists():
+            return None, {}
+        items = dict(queue_meta=ocp.args.JsonRestore())
+        if target:
+            items["queue"] = ocp.args.StandardRestore(_abstract(target))
+        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return (out.queue if target else None), dict(out.queue_meta)
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""

@@ -21,7 +21,9 @@ them, the plot and the evaluations; every process writes its checkpoint shards.
 Resuming is exact: step N's prompts come from the restored iterator, its key is
 fold_in(key, N) of the restored base key, the curriculum sees step j's results only when
 drawing step j + 2 (whenever they were fetched), and the train state comes back bit for bit;
-a resumed run's metrics equal an uninterrupted run's (timings aside).
+a resumed run's metrics equal an uninterrupted run's (timings aside). An async run
+(algo.mode=async) also saves the batches it made ahead and trains them on resume
+(`async_queue.py`).
 
 Faults: an update whose loss or gradient is not finite is skipped in the program
 (`train_on`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
@@ -52,6 +54,7 @@ from rich.console import Console
 from jaxrl.config import ExperimentConfig
 from jaxrl.distributed import is_main
 from jaxrl.run import progress
+from jaxrl.run.async_queue import queue_checkpoint
 from jaxrl.run.build import policy, save_policy
 from jaxrl.run.evaluate import Evaluator, append_eval
 from jaxrl.run.metrics_log import MetricsLog, plot_rewards, summary_table
@@ -60,6 +63,7 @@ from jaxrl.run.recorder import StepRecorder
 from jaxrl.run.run_dir import FINAL_MODEL_DIR, PLOT_FILE
 from jaxrl.run.start import Started, start_run
 from jaxrl.run.summary import run_summary
+from jaxrl.step.asynchronous import AsyncStep
 
 __all__ = ["NonFiniteError", "RewardFailureError", "TrainingStopped", "train"]
 
@@ -138,7 +142,7 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     recorder = StepRecorder(run, started.pre, log)
     pending: tuple[int, Any] | None = None
     # Each step's prompt positions (for the curriculum) and data metrics, taken at its draw.
-    drawn: dict[int, tuple[Any, dict[str, float]]] = {}
+    drawn: dict[int, tuple[Any, dict[str, float]]] = dict(started.drawn)
     evaluator: Evaluator | None = None
     rewards = run.step.rewards
     failing = 0  # steps in a row that failed their rewards
@@ -170,14 +174,18 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
                 f"keep optim.max_grad_norm on, check the rewards for NaN, or resume from an "
                 f"earlier checkpoint")
 
+    def batch_of(step: int) -> tuple[Any, ...]:
+        """Step `step`'s device arguments, its draw noted for the curriculum (async mode
+        draws max_staleness steps ahead)."""
+        batch, placed = started.batch(step)
+        drawn[step] = (batch.all_positions_B, run.batches.metrics())
+        return (*placed, jax.random.fold_in(started.key, step))
+
     stopped = None
     with bar:
         try:
             for step in range(started.start_step, max_steps):
-                batch, placed = started.batch(step)
-                drawn[step] = (batch.all_positions_B, run.batches.metrics())
-                state, out = run.step(state, *placed, jax.random.fold_in(started.key, step),
-                                      run.ref_params)
+                state, out = run.step.step_at(state, step, batch_of, run.ref_params)
                 if pending is not None:
                     record(*pending)
                 pending = (step, out)
@@ -191,7 +199,9 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
                     record(*pending)  # a checkpoint holds the curriculum's view of this step
                     pending = None
                 if save:
-                    checkpoints.save(done, state, run.batches.state(), started.key)
+                    checkpoints.save(done, state, run.batches.state(), started.key,
+                                     queue=queue_checkpoint(run.step, drawn)
+                                     if isinstance(run.step, AsyncStep) else None)
                 if evaluate_now:
                     evaluator = evaluator or Evaluator(run, cfg.eval)
                     result = evaluator(policy(run.step, state)[1])

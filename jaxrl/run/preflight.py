@@ -127,11 +127,11 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
     try:
         peak = peak_flops(device, override_tflops=cfg.perf.peak_tflops, refresh=refresh_peak)
         console.print(f"[bold]peak[/]: {peak.flops_per_s / 1e12:.3g} TFLOP/s per device "
-                      f"({peak.source}); {run.mesh.size} x {device.device_kind}")
+                      f"({peak.source}); {run.num_devices} x {device.device_kind}")
     except ValueError as e:  # an accelerator missing from the table: no MFU, still train
         peak = None
         console.print(f"[yellow]peak[/]: unknown, no MFU/HFU: {e}")
-    return Preflight(memory, accounting, peak, run.mesh.size, device.device_kind, compile_s,
+    return Preflight(memory, accounting, peak, run.num_devices, device.device_kind, compile_s,
                      count_s)
 
 
@@ -201,14 +201,15 @@ def _check_kv_cache(run: Run, limit: int, source: str) -> None:
     tokens = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     itemsize = jnp.dtype(config.compute_dtype).itemsize
     per_token = config.num_layers * 2 * run.rows * config.num_kv_heads * config.head_dim * itemsize
-    kv_bytes = per_token * tokens // run.mesh.size
+    devices = (run.rollout_mesh or run.mesh).size  # the devices that generate
+    kv_bytes = per_token * tokens // devices
     if kv_bytes > limit:
-        fit = limit * run.mesh.size // per_token - cfg.data.max_prompt_len
+        fit = limit * devices // per_token - cfg.data.max_prompt_len
         raise MemoryFitError(
             f"the rollout's KV cache alone needs {format_bytes(kv_bytes)} per device "
             f"({run.rows} rows x {tokens:,} tokens = data.max_prompt_len "
             f"{cfg.data.max_prompt_len} + rollout.max_new_tokens {cfg.rollout.max_new_tokens:,}, "
-            f"over {run.mesh.size} devices), more than the {format_bytes(limit)} available "
+            f"over {devices} devices), more than the {format_bytes(limit)} available "
             f"({source}); rollout.max_new_tokens must be well under {max(fit, 0):,} (where the "
             f"cache alone fills the memory), or data.batch_size / rollout.num_generations "
             f"smaller", MemoryReport((), limit, source))

@@ -8,6 +8,7 @@
         time/elapsed_s      since the recorder was made (the first dispatch)
         perf/tokens_per_s   completion tokens (sampled, the stop token included) / time/step_s
         time/generate_s, time/train_s, perf/*   from the stamps and the preflight's FLOPs
+        time/weight_sync_s, time/rollout_wait_s, time/train_wait_s   algo.mode=async only
     then writes it to the metrics log (metrics.jsonl, TensorBoard).
 """
 
@@ -23,7 +24,7 @@ from jaxrl.run.build import Run
 from jaxrl.run.metrics_log import MetricsLog, to_record
 from jaxrl.run.preflight import Preflight
 from jaxrl.step import StepOutput
-from jaxrl.step.clock import step_seconds
+from jaxrl.step.clock import async_times, step_seconds
 
 
 class StepRecorder:
@@ -33,6 +34,7 @@ class StepRecorder:
         self.run, self.pre, self.log = run, pre, log
         self.start = self._last_fetch = time.perf_counter()
         self._last_end: float | None = None
+        self._last_stamps: dict[str, float] | None = None
 
     def record(self, step: int, out: StepOutput, positions_B: np.ndarray,
                data_metrics: dict[str, float], step_s: float | None = None,
@@ -47,12 +49,14 @@ class StepRecorder:
         if step_s is None:  # no stamps: the interval between two fetches
             step_s = now - self._last_fetch
         self._last_fetch, self._last_end = now, stamps.get("end")
+        previous, self._last_stamps = self._last_stamps, stamps
         metrics: dict[str, Any] = dict(host.metrics)
         metrics["time/step_s"] = step_s
         metrics["time/elapsed_s"] = now - self.start
         metrics["perf/tokens_per_s"] = (float(metrics["completion/len_mean"]) * self.run.rows
                                         / step_s)
         metrics.update(self.pre.step_metrics(metrics, step_s, stamps))
+        metrics.update(async_times(stamps, previous))
         metrics.update(data_metrics)
         record = to_record(step, metrics)
         self.log.write(record)

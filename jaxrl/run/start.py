@@ -4,7 +4,8 @@ its state (restored when resuming), the first batch and the preflight.
     started = start_run(cfg, name, console, resumable=True)
         prepare_run_dir      a new run directory, or the same one to resume (run_dir.py)
         build_run            mesh, tokenizer, policy, task, prompts, step (build.py)
-        restore              the newest readable checkpoint, when resuming (checkpoint.py)
+        restore              the newest readable checkpoint, when resuming (checkpoint.py),
+                             with an async run's batches made ahead (async_queue.py)
         first batch          drawn and placed on the mesh
         preflight            compile, memory fit, FLOP count (preflight.py)
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 from flax import nnx
@@ -24,11 +26,13 @@ from rich.console import Console
 
 from jaxrl.config import ExperimentConfig, RunDirError
 from jaxrl.data.prompts import PromptBatch
+from jaxrl.run.async_queue import pending_count, restore_queue
 from jaxrl.run.build import Run, build_run
 from jaxrl.run.checkpoint import Checkpoints, restore_key
 from jaxrl.run.placement import Placed
 from jaxrl.run.preflight import Preflight, preflight
 from jaxrl.run.run_dir import prepare_run_dir
+from jaxrl.step.asynchronous import AsyncStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +45,18 @@ class Started:
     key: jax.Array  # the run's base key; step N runs with fold_in(key, N)
     start_step: int
     resumed: bool
-    first: tuple[PromptBatch, Placed]  # the first step's batch, on the host and placed
+    first: tuple[PromptBatch, Placed]  # the first batch drawn, on the host and placed
     pre: Preflight
     setup_s: float
     checkpoints: Checkpoints | None  # the run's (train); None for bench
+    # An async run resumed with batches already made (`async_queue`): the first batch drawn
+    # is then that many steps past start_step, and `drawn` holds the made ones' draws.
+    first_step: int | None = None
+    drawn: dict[int, tuple[Any, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
     def batch(self, step: int) -> tuple[PromptBatch, Placed]:
         """Step `step`'s batch (host, placed): the prepared one first, then the next ones."""
-        if step == self.start_step:
+        if step == (self.start_step if self.first_step is None else self.first_step):
             return self.first
         batch = next(self.run.batches)
         return batch, self.run.place(batch)
@@ -71,20 +79,32 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
     checkpoints = Checkpoints(run_dir, keep=cfg.train.keep_checkpoints) if resumable else None
     try:
         run, state = build_run(cfg, run_dir, console, reuse_init=resume)
-        key, start_step = jax.random.key(cfg.train.seed), 0
+        key, start_step, queued = jax.random.key(cfg.train.seed), 0, 0
         if resume:
             state, key, start_step = _resume(run, state, checkpoints, console)
+            queued = pending_count(checkpoints, start_step)
         batch = next(run.batches)
         first = (batch, run.place(batch))
-        pre = preflight(run, state, (*first[1], jax.random.fold_in(key, start_step)), console,
-                        refresh_peak=refresh_peak)
+        args = (*first[1], jax.random.fold_in(key, start_step + queued))
+        drawn = {}
+        if queued:
+            if not isinstance(run.step, AsyncStep):
+                raise RunDirError(f"train.run_dir {str(run.run_dir)!r} holds an algo.mode=async "
+                                  f"checkpoint with {queued} batches made ahead; resume it "
+                                  f"with algo.mode=async")
+            pending, drawn = restore_queue(checkpoints, start_step, run.step,
+                                           run.step.abstract_rollout(state, *args))
+            run.step.resume_with(pending, start_step + queued)
+            console.print(f"[bold]resume[/]: {queued} batches made before the checkpoint "
+                          f"(steps {pending[0].step}..{pending[-1].step}) restored")
+        pre = preflight(run, state, args, console, refresh_peak=refresh_peak)
     except BaseException:
         if checkpoints is not None:
             checkpoints.close()
         claim.release()
         raise
     return Started(run, state, key, start_step, resume, first, pre,
-                   time.perf_counter() - start, checkpoints)
+                   time.perf_counter() - start, checkpoints, start_step + queued, drawn)
 
 
 def _resume(run: Run, state: nnx.State, checkpoints: Checkpoints, console: Console

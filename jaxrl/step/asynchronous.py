@@ -20,25 +20,36 @@ Batch n is generated from the weights after min(n, k)-fewer updates than it is t
 against: its staleness is min(n, k). JAX dispatches asynchronously, so generation of
 n + k on the rollout devices runs while the train devices work on n; the sync of call n + 1
 waits for update n. k = 0 is the synchronous algorithm on two meshes (generate n, then
-train n), and gives the synchronous step's numbers (tested).
+train n), and gives the synchronous step's numbers (tested). `batch_of(m)` is called once per
+batch, in order m = 0, 1, ... (from the step the queue was made at), k batches ahead of
+training: a curriculum must see results k steps later than in the synchronous modes.
 
-The behaviour log-probs are the sampler's (`Rollout.logp_raw_BxC`); the trainer's proximal
-policy is its own forward at the weights being updated, so `loss.tis_cap` weighs each token
-by min(pi_prox / pi_behaviour, cap) (decoupled PPO with truncated importance weights).
+The behaviour log-probs are the sampler's (`Rollout.logp_raw_BxC`); how the loss weighs the
+proximal (trainer) against the behaviour (sampler) policy is `loss.correction`.
 
 Metrics added to each step: `async/staleness_mean`, `async/staleness_max` (updates between
 the weights that generated the batch and the weights it trains), `async/weight_sync_bytes`
-(the bytes of the weights moved).
+(the bytes of the weights moved). With phase times on, the clock also gets the stamps
+`sync_dispatch` / `synced` (a watcher thread waits for the copy on the rollout devices) for
+`time/weight_sync_s`, and the generate program stamps `start` / `generated` of each batch
+(`jaxrl.step.clock.async_times`: the queue waits of each side).
+
+The queue of made-but-untrained batches is `pending()` / `resume_with(...)` (checkpoints:
+`jaxrl.run.async_queue`).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -47,7 +58,7 @@ from jaxrl.config import AlgoSection, OptimSection
 from jaxrl.rl import RewardInputs, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings
-from jaxrl.step.builder import Step, StepOutput, score_host_rows
+from jaxrl.step.builder import Step, StepOutput, host_reward_shardings, score_host_rows
 from jaxrl.step.phases import generate, reward_inputs
 
 Batch = tuple[Prompts, dict[str, jax.Array], jax.Array, jax.Array]  # prompts, fields, rows, key
@@ -68,7 +79,8 @@ class AsyncStep:
 
     `sampler` is built on the rollout mesh with the rollout rules; `state` (the TrainState's
     `nnx.State`, donated) lives on the train mesh. Calls must come in order n = 0, 1, ...
-    from the step the queue was made at.
+    from the step the queue was made at. Like `Step` it has `cfg`, `graphdef`, `mesh` and
+    `rules` (the train side's), `sampler`, `clock`, `compile`, `compiled`, `use_sampler`.
     """
 
     def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler,
@@ -82,37 +94,69 @@ class AsyncStep:
             raise ValueError("the train and rollout meshes share devices; split them with "
                              "jaxrl.sharding.submeshes.split_devices")
         self.cfg, self.graphdef, self.rewards = cfg, graphdef, rewards
-        self.train_mesh, self.train_rules = train
+        self.mesh, self.rules = train
         self.rollout_mesh, self.rollout_rules = rollout
         self.max_staleness = max_staleness
-        self.sampler = sampler
         # Split mode's train program: score (host rewards scored between the programs),
         # advantages, updates.
         self.trainer = Step(dataclasses.replace(cfg, mode="split"), graphdef, sampler, rewards,
-                            optim=optim, mesh=self.train_mesh, rules=self.train_rules,
+                            optim=optim, mesh=self.mesh, rules=self.rules,
                             phase_times=phase_times)
-        self._generate = jax.jit(self._generate_body)
+        self.clock = self.trainer.clock
+        self._watcher = (concurrent.futures.ThreadPoolExecutor(1, "jaxrl-weight-sync")
+                         if self.clock.enabled else None)
         self.queue: collections.deque[Produced] = collections.deque()
         self.next_step = 0  # the next batch to produce
         self.sync_bytes = 0
+        self.use_sampler(sampler)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of both sides."""
+        return self.mesh.size + self.rollout_mesh.size
+
+    def use_sampler(self, sampler: Sampler) -> None:
+        """Generates with `sampler` from now on (compiled again, like `Step.use_sampler`)."""
+        self.sampler = sampler
+        self.trainer.use_sampler(sampler)
+        self._generate = jax.jit(functools.partial(AsyncStep._generate_body, self))
+        self.programs = (self._generate, self.trainer._train)
+        self._compiled: dict[str, Any] = {}
 
     def _generate_body(self, params, prompts, fields_P, rows_P, key):
-        rollout = generate(self.sampler, params, prompts, key)
+        # The sampler lays out its own work by the rollout rules (`Sampler`).
+        ids_BxP = self.clock.stamp("start", jnp.sum(prompts.mask_BxP, dtype=jnp.int32),
+                                   prompts.ids_BxP)
+        rollout = generate(self.sampler, params, Prompts(ids_BxP, prompts.mask_BxP), key)
+        rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
+            "generated", rollout.num_steps, rollout.completion_ids_BxC))
         return rollout, reward_inputs(rollout, fields_P, rows_P,
                                       self.sampler.config.num_generations)
 
+    def _rollout_params(self, state: nnx.State) -> nnx.State:
+        return nnx.state(nnx.merge(self.graphdef, state).model, nnx.Param)
+
     def sync(self, state: nnx.State) -> nnx.State:
         """The policy's weights, resharded from the train mesh onto the rollout mesh."""
-        params = nnx.state(nnx.merge(self.graphdef, state).model, nnx.Param)
+        params = self._rollout_params(state)
         self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-        return jax.device_put(params, state_shardings(params, self.rollout_mesh,
+        dispatched = time.perf_counter()
+        copy = jax.device_put(params, state_shardings(params, self.rollout_mesh,
                                                       self.rollout_rules))
+        if self._watcher is not None:
+            self._watcher.submit(self._stamp_sync, dispatched, copy)
+        return copy
+
+    def _stamp_sync(self, dispatched: float, copy: nnx.State) -> None:
+        jax.block_until_ready(copy)
+        self.clock.record("sync_dispatch", dispatched)
+        self.clock.record("synced", time.perf_counter())
 
     def produce(self, params: nnx.State, step: int, version: int, batch: Batch) -> None:
         """Dispatches generation of batch `step` from `params` (weights after `version`
         updates) and queues it."""
-        prompts, fields_P, rows_P, key = self._on(self.rollout_mesh, self.rollout_rules, batch)
-        rollout, inputs = self._generate(params, prompts, fields_P, rows_P, key)
+        batch = self._on(self.rollout_mesh, self.rollout_rules, batch)
+        rollout, inputs = self._compiled.get("generate", self._generate)(params, *batch)
         self.queue.append(Produced(step, version, rollout, inputs))
 
     def __call__(self, state: nnx.State, step: int, batch_of: Callable[[int], Batch],
@@ -128,29 +172,96 @@ class AsyncStep:
             self.produce(params, self.next_step, step, batch_of(self.next_step))
             self.next_step += 1
         made = self.queue.popleft()
-        rollout, inputs = self._on(self.train_mesh, self.train_rules, (made.rollout,
-                                                                       made.inputs))
-        host_values = (score_host_rows(self.rewards, inputs, self.train_mesh)
+        rollout, inputs = self._on(self.mesh, self.rules, (made.rollout, made.inputs))
+        host_values = (score_host_rows(self.rewards, inputs, self.mesh)
                        if self.rewards.python_rewards else None)
-        state, out = self.trainer._compiled.get("train", self.trainer._train)(
+        state, out = self._compiled.get("train", self.trainer._train)(
             state, rollout, inputs, host_values, ref_params)
         staleness = float(step - made.version)
         out.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
                             "async/weight_sync_bytes": float(self.sync_bytes)})
         return state, out
 
+    step_at = __call__  # the loop's call, shared with `Step.step_at`
+
+    def pending(self) -> list[Produced]:
+        """The batches made and not yet trained on, oldest first."""
+        return list(self.queue)
+
+    def resume_with(self, pending: list[Produced], next_step: int) -> None:
+        """Continues a run whose queue held `pending` (restored from a checkpoint; each
+        rollout is moved onto the rollout mesh) with `next_step` the next batch to make."""
+        self.queue = collections.deque(dataclasses.replace(
+            p, rollout=self._on(self.rollout_mesh, self.rollout_rules, p.rollout),
+            inputs=self._on(self.rollout_mesh, self.rollout_rules, p.inputs)) for p in pending)
+        self.next_step = next_step
+
+    def abstract_rollout(self, state: nnx.State, prompts: Prompts, fields_P, rows_P, key
+                         ) -> tuple[Rollout, RewardInputs]:
+        """Shapes, dtypes and shardings of one batch's (rollout, reward inputs) as the queue
+        holds them on the rollout mesh."""
+        params = self._abstract(self._rollout_params(state), self.rollout_mesh,
+                                self.rollout_rules)
+        batch = self._on(self.rollout_mesh, self.rollout_rules, (prompts, fields_P, rows_P, key))
+        return self._abstract(jax.eval_shape(self._generate, params, *batch),
+                              self.rollout_mesh, self.rollout_rules, rows=True)
+
+    def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
+                rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
+                ) -> dict[str, Any]:
+        """{"generate", "train"}: both programs compiled for these arguments (the generate
+        program for weights resharded onto the rollout mesh); nothing is executed."""
+        params = self._abstract(self._rollout_params(state), self.rollout_mesh,
+                                self.rollout_rules)
+        batch = self._on(self.rollout_mesh, self.rollout_rules, (prompts, fields_P, rows_P, key))
+        generate_c = self._generate.lower(params, *batch).compile()
+        shapes = jax.eval_shape(self._generate, params, *batch)
+        outputs = self._abstract(shapes, self.mesh, self.rules, rows=True)
+        host_values = None
+        if self.rewards.python_rewards:
+            k, b = len(self.rewards.python_rewards), shapes[0].completion_ids_BxC.shape[0]
+            values_sharding, errors_sharding = host_reward_shardings(
+                self.mesh, outputs[0].completion_ids_BxC.sharding)
+            host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32, sharding=values_sharding),
+                           jax.ShapeDtypeStruct((b,), jnp.float32, sharding=errors_sharding))
+        train_c = self.trainer._train.lower(state, *outputs, host_values, ref_params).compile()
+        self._compiled = {"generate": generate_c, "train": train_c}
+        return dict(self._compiled)
+
+    def compiled(self) -> dict[str, Any]:
+        """{name: jax Compiled} of the programs `compile` made (empty before it ran)."""
+        return dict(self._compiled)
+
+    def num_compilations(self) -> int | None:
+        """Programs compiled so far (1 per program when nothing recompiled)."""
+        sizes = [getattr(p, "_cache_size", None) for p in self.programs]
+        if None in sizes:
+            return None
+        return len(self._compiled) + sum(size() for size in sizes)
+
     @staticmethod
-    def _on(mesh: Mesh, rules: AxisRules, tree: Any) -> Any:
-        """Every array of `tree` onto `mesh`: arrays with rows split over the batch axes
-        (the leading axis of every per-row array), scalars replicated."""
+    def _shardings(mesh: Mesh, rules: AxisRules, tree: Any) -> Any:
+        """Per array of `tree`: rows split over the batch axes for the per-row arrays (the
+        leading axis of the longest leading dimension), replicated otherwise."""
         rows = max((x.shape[0] for x in jax.tree.leaves(tree) if np.ndim(x) >= 1), default=0)
 
-        def put(x):
+        def sharding(x):
             if np.ndim(x) >= 1 and x.shape[0] == rows:
-                sharding = rules.sharding(("batch",) + (None,) * (np.ndim(x) - 1), x.shape,
-                                          mesh)
-            else:
-                sharding = NamedSharding(mesh, PartitionSpec())
-            return jax.device_put(x, sharding)
+                return rules.sharding(("batch",) + (None,) * (np.ndim(x) - 1), x.shape, mesh)
+            return NamedSharding(mesh, PartitionSpec())
 
-        return jax.tree.map(put, tree)
+        return jax.tree.map(sharding, tree)
+
+    @classmethod
+    def _on(cls, mesh: Mesh, rules: AxisRules, tree: Any) -> Any:
+        """Every array of `tree` onto `mesh` (`_shardings`)."""
+        return jax.device_put(tree, cls._shardings(mesh, rules, tree))
+
+    @classmethod
+    def _abstract(cls, tree: Any, mesh: Mesh, rules: AxisRules, rows: bool = False) -> Any:
+        """ShapeDtypeStructs of `tree` on `mesh`: the parameter layout of `rules`, or with
+        `rows` the row layout of `_shardings`."""
+        shardings = (cls._shardings(mesh, rules, tree) if rows
+                     else state_shardings(tree, mesh, rules))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, shardings)

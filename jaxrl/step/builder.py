@@ -169,6 +169,12 @@ class Step:
         return self._compiled.get("train", self._train)(state, rollout, inputs, host_values,
                                                         ref_params)
 
+    def step_at(self, state: nnx.State, step: int, batch_of: Callable[[int], tuple[Any, ...]],
+                ref_params: nnx.State | None = None) -> tuple[nnx.State, StepOutput]:
+        """Step `step` on `batch_of(step)` = (prompts, fields_P, rows_P, key): the loop's call,
+        shared with `AsyncStep`, which draws batches ahead."""
+        return self(state, *batch_of(step), ref_params)
+
     def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
                 ) -> dict[str, Any]:

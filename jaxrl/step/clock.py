@@ -48,6 +48,12 @@ class PhaseClock:
         zero = io_callback(record, jax.ShapeDtypeStruct((), jnp.int32), after)
         return before + zero.astype(before.dtype)
 
+    def record(self, name: str, seconds: float) -> None:
+        """Adds a stamp taken on the host (`time.perf_counter()` seconds), e.g. by a thread
+        that waited for a transfer."""
+        with self._lock:
+            self._stamps[name].append(seconds)
+
     def pop(self) -> dict[str, float]:
         """{name: seconds} of the oldest unread stamp of every name that has one."""
         with self._lock:
@@ -63,6 +69,29 @@ def phase_times(stamps: dict[str, float]) -> dict[str, float]:
     train_start = stamps.get("train_start", stamps.get("generated"))
     if train_start is not None and "end" in stamps:
         out["time/train_s"] = stamps["end"] - train_start
+    return out
+
+
+def async_times(stamps: dict[str, float], previous: dict[str, float] | None
+                ) -> dict[str, float]:
+    """The asynchronous step's waits (`jaxrl.step.asynchronous`), from its stamps and the
+    previous step's:
+
+        time/weight_sync_s     synced - max(sync dispatched, previous update done)
+        time/rollout_wait_s    this batch's generation start - the previous one's end
+                               (rollout devices idle: the staleness bound, or the sync)
+        time/train_wait_s      this train start - the previous update done (train devices
+                               idle: the rollout was not ready, or host reward scoring)
+    """
+    out = {}
+    previous = previous or {}
+    if "synced" in stamps and "sync_dispatch" in stamps:
+        begin = max(stamps["sync_dispatch"], previous.get("end", -float("inf")))
+        out["time/weight_sync_s"] = max(stamps["synced"] - begin, 0.0)
+    if "start" in stamps and "generated" in previous:
+        out["time/rollout_wait_s"] = max(stamps["start"] - previous["generated"], 0.0)
+    if "train_start" in stamps and "end" in previous:
+        out["time/train_wait_s"] = max(stamps["train_start"] - previous["end"], 0.0)
     return out
 
 

@@ -192,3 +192,20 @@ def test_factory_and_observe_errors_are_named():
     with pytest.raises(ValueError, match="comes too late: the batch of step 2"):
         s.observe(0, positions_B, np.ones(B))
     sampler("none").observe(5, None, None)  # ignored, unchecked: uniform does not learn
+
+
+def test_a_longer_lag_draws_further_ahead_of_the_observations():
+    # Async mode (max_staleness 2) draws each batch 2 steps earlier: lag LAG + 2.
+    s = make_prompt_sampler("pass_rate", N, B, seed=0, group_size=4, lag=LAG + 2)
+    s.observe(0, s.draw(), np.ones(B))
+    for _ in range(LAG + 1):
+        s.draw()
+        assert s.metrics()["curriculum/seen_frac"] == 0  # steps 1..LAG+1 ignore step 0
+    s.draw()
+    assert s.metrics()["curriculum/seen_frac"] == B / N
+    assert s.state()["recent_positions_LxB"].shape == (LAG + 2, B)
+    with pytest.raises(ValueError, match=f"step {LAG + 3} needs the observation of step 1 "
+                                         rf"\(pass_rate curriculum, lag={LAG + 2}\)"):
+        s.draw()
+    with pytest.raises(ValueError, match="lag must be an integer >= 1, got 0"):
+        make_prompt_sampler("pass_rate", N, B, seed=0, lag=0)

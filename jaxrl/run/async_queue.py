@@ -1,0 +1,75 @@
+"""An asynchronous run's queue in its checkpoints: the batches made but not yet trained on.
+
+    arrays, meta = queue_checkpoint(run.step, drawn)         at a checkpoint after step n
+    pending, drawn = restore_queue(checkpoints, n + 1, run.step, abstract)      on resume
+
+With `algo.max_staleness` k, once step n is done the rollout side has already made batches
+n+1..n+k, each from weights older than the checkpoint's (after n+1-k..n updates). They are
+*saved*, not regenerated: regenerating them would need the k older weight versions that made
+them, each as large as the policy, while a batch of rollouts is a few token arrays. Saved per
+batch: its rollout and reward inputs (the `queue` item, one entry per leaf) and, as JSON
+(`queue_meta`), its step, the weight version it was made from and what the loop noted at its
+draw (the prompt positions the curriculum observes, the data metrics). The prompt iterator's
+state in the checkpoint is after those draws, so a resumed run draws batch n+k+1 next and
+trains n+1..n+k on the very rollouts the interrupted run would have: its metrics equal the
+uninterrupted run's, timings aside (tested after SIGKILL).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.step.asynchronous import AsyncStep, Produced
+
+Drawn = dict[int, tuple[np.ndarray, dict[str, float]]]  # step -> (positions_B, data metrics)
+
+
+def _entry(tree: Any) -> dict[str, Any]:
+    return {f"leaf_{j}": x for j, x in enumerate(jax.tree.leaves(tree))}
+
+
+def queue_checkpoint(step: AsyncStep, drawn: Drawn) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arrays, JSON) of `step`'s pending batches for `Checkpoints.save(queue=...)`; `drawn`
+    holds the loop's notes of each pending step's draw."""
+    pending = step.pending()
+    missing = [p.step for p in pending if p.step not in drawn]
+    if missing:
+        raise ValueError(f"the queue holds steps {missing} whose draws were not noted")
+    arrays = {f"step_{p.step}": _entry((p.rollout, p.inputs)) for p in pending}
+    meta = {"pending": [
+        {"step": p.step, "version": p.version,
+         "positions": np.asarray(drawn[p.step][0]).tolist(),
+         "data_metrics": {k: float(v) for k, v in drawn[p.step][1].items()}}
+        for p in pending]}
+    return arrays, meta
+
+
+def pending_count(checkpoints: Checkpoints, at: int) -> int:
+    """How many batches the queue of checkpoint `at` holds (0 for a synchronous run's)."""
+    return len(checkpoints.restore_queue(at, None)[1].get("pending", []))
+
+
+def restore_queue(checkpoints: Checkpoints, at: int, step: AsyncStep, abstract: Any
+                  ) -> tuple[list[Produced], Drawn]:
+    """(pending batches, their draws) of checkpoint `at`, the arrays in the layout of
+    `abstract` (one batch's (rollout, reward inputs): `AsyncStep.abstract_rollout`)."""
+    _, meta = checkpoints.restore_queue(at, None)
+    entries = meta.get("pending", [])
+    if not entries:
+        return [], {}
+    leaves, treedef = jax.tree.flatten(abstract)
+    target = {f"step_{e['step']}": _entry(abstract) for e in entries}
+    arrays, _ = checkpoints.restore_queue(at, target)
+    pending = []
+    for e in entries:
+        saved = arrays[f"step_{e['step']}"]
+        rollout, inputs = jax.tree.unflatten(treedef, [saved[f"leaf_{j}"]
+                                                       for j in range(len(leaves))])
+        pending.append(Produced(int(e["step"]), int(e["version"]), rollout, inputs))
+    drawn = {int(e["step"]): (np.asarray(e["positions"], np.int64), dict(e["data_metrics"]))
+             for e in entries}
+    return pending, drawn

@@ -1,0 +1,120 @@
+"""algo.mode=async as a config runs it, on 8 CPU devices split 4 rollout + 4 train: staleness
+0 gives the synchronous fused run's metrics; a SIGKILLed async run resumes (its queue of
+batches made ahead restored) to the uninterrupted run's metrics; bad settings are refused."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError, ExperimentConfig, load_config
+from jaxrl.run import loop
+from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.run.metrics_log import read_metrics
+from tests.run.test_loop import _console
+from tests.run.test_resume import _finish, _wait_for_steps, _without_timing
+from tests.test_shipped_configs import ROOT
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+SMALL = ["data.batch_size=8", "data.num_prompts=64", "rollout.num_generations=4",
+         "algo.num_minibatches=2", "algo.num_iterations=1", "eval.num_prompts=0",
+         "log.print_every=1", "log.plot=false", "log.tensorboard=false",
+         "train.save_final=false", "perf.count_flops=false", "perf.phase_times=true"]
+ASYNC = ["algo.mode=async", "sharding.rollout_devices=4"]
+# Not compared between runs: wall-clock times, and what only the async mode reports.
+TIMING = ("time/", "perf/tokens_per_s", "perf/mfu", "perf/hfu")
+
+
+def _train(tmp_path, name, *overrides):
+    cfg = load_config(ExperimentConfig, QUICKSTART,
+                      [*SMALL, f"train.run_dir={tmp_path / name}", *overrides])
+    loop.train(cfg, _console(), name=name)
+    return read_metrics(tmp_path / name / "metrics.jsonl")
+
+
+def test_staleness_zero_gives_the_fused_runs_metrics_for_5_steps(tmp_path):
+    steps = ["train.max_steps=5", "data.curriculum=pass_rate"]
+    fused = _train(tmp_path, "fused", *steps)
+    asynchronous = _train(tmp_path, "async", *steps, *ASYNC, "algo.max_staleness=0")
+    assert len(fused) == len(asynchronous) == 5
+    for want, got in zip(fused, asynchronous, strict=True):
+        assert got["async/staleness_max"] == 0 and got["async/weight_sync_bytes"] > 0
+        assert got["time/weight_sync_s"] >= 0 and got["time/generate_s"] > 0
+        for name, value in want.items():
+            if not name.startswith(TIMING):
+                np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5,
+                                           err_msg=f"step {want['step']}: {name}")
+    # The queue waits of both sides, from the second step on.
+    assert {"time/rollout_wait_s", "time/train_wait_s"} <= set(asynchronous[1])
+
+
+def test_staleness_two_trains_on_batches_two_updates_old(tmp_path):
+    records = _train(tmp_path, "async", "train.max_steps=4", *ASYNC, "algo.max_staleness=2",
+                     "algo.loss.tis_cap=2.0")
+    assert [r["async/staleness_max"] for r in records] == [0, 1, 2, 2]
+    assert all(np.isfinite(r["loss/policy"]) for r in records)
+    # Importance weights of stale batches differ from 1 (the sampler had older weights).
+    assert abs(records[0]["async/ratio_mean"] - 1) < 1e-5
+    assert abs(records[-1]["async/ratio_mean"] - 1) > 1e-5
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["sharding.rollout_devices=8"], "gives 8 rollout device(s) of 8"),
+    (["sharding.rollout_devices=0.05"], "gives 0 rollout device(s) of 8"),
+    (["sharding.rollout_layout=nope"], "nope"),
+])
+def test_a_split_that_leaves_a_side_without_devices_is_refused(tmp_path, overrides, message):
+    cfg = load_config(ExperimentConfig, QUICKSTART, [*SMALL, f"train.run_dir={tmp_path}",
+                                                     "train.max_steps=1", *ASYNC, *overrides])
+    with pytest.raises((ConfigError, ValueError), match=re.escape(message)):
+        loop.train(cfg, _console())
+
+
+def _start(run_dir, *overrides):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxrl.cli", "train", str(QUICKSTART),
+         f"train.run_dir={run_dir}", *SMALL, *ASYNC, *overrides], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_then_resume_gives_the_uninterrupted_async_metrics(tmp_path):
+    steps = ["train.max_steps=20", "train.checkpoint_every=4", "data.curriculum=pass_rate",
+             "algo.max_staleness=2"]
+    reference = _start(tmp_path / "reference", *steps)
+    killed = _start(tmp_path / "killed", *steps)
+    _wait_for_steps(killed, tmp_path / "killed", 10)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    written = len(read_metrics(tmp_path / "killed" / "metrics.jsonl"))
+    assert 10 <= written < 20
+
+    _, err = _finish(_start(tmp_path / "killed", *steps))
+    _finish(reference)
+    resumed_at = int(err.split("from the checkpoint at step ")[1].split()[0])
+    assert 4 <= resumed_at <= written and resumed_at % 4 == 0
+    # The two batches made ahead of the checkpoint were saved with it and trained on resume.
+    assert f"2 batches made before the checkpoint (steps {resumed_at}..{resumed_at + 1})" in err
+    want = read_metrics(tmp_path / "reference" / "metrics.jsonl")
+    got = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(20))
+    assert [r["async/staleness_max"] for r in got][:4] == [0, 1, 2, 2]
+    # Bitwise: the same floats, for every step and every metric but wall-clock times.
+    assert _without_timing(got) == _without_timing(want)
+    assert Checkpoints(tmp_path / "killed").steps()[-1] == 20
+
+
+@pytest.mark.parametrize(("value", "shown"), [("1.5", "1.5"), ("-1", "-1"), ("0", "0")])
+def test_rollout_devices_must_be_a_count_or_a_fraction(value, shown):
+    with pytest.raises(ConfigError, match=rf"sharding.rollout_devices must be a device count "
+                                          rf".*got {re.escape(shown)}"):
+        load_config(ExperimentConfig, QUICKSTART, [f"sharding.rollout_devices={value}"])
+    cfg = load_config(ExperimentConfig, QUICKSTART, ["sharding.rollout_devices=3"])
+    assert cfg.sharding.rollout_share == 3 and isinstance(cfg.sharding.rollout_share, int)
+    cfg = load_config(ExperimentConfig, QUICKSTART, ["sharding.rollout_devices=0.25"])
+    assert cfg.sharding.rollout_share == 0.25
