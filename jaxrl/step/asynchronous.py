@@ -11,7 +11,7 @@ a copy of the weights held there) and *train* (split mode's score + advantages +
 the train mesh). The schedule is fixed by `max_staleness` k, so a run is deterministic:
 
     call n:  sync       the train state's weights (n updates) -> the rollout mesh, a
-                        device-to-device reshard (`jax.device_put` between meshes; no host)
+                        device-to-device copy (`jaxrl.sharding.submeshes.move`; no host)
              produce    dispatch generation of every batch up to n + k not yet made, from
                         those weights (at n = 0: batches 0..k, all from the initial weights)
              consume    move batch n's rollout to the train mesh and train on it
@@ -58,6 +58,7 @@ from jaxrl.config import AlgoSection, OptimSection
 from jaxrl.rl import RewardInputs, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings
+from jaxrl.sharding.submeshes import move
 from jaxrl.step.builder import Step, StepOutput, host_reward_shardings, score_host_rows
 from jaxrl.step.phases import generate, reward_inputs
 
@@ -141,8 +142,7 @@ class AsyncStep:
         params = self._rollout_params(state)
         self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         dispatched = time.perf_counter()
-        copy = jax.device_put(params, state_shardings(params, self.rollout_mesh,
-                                                      self.rollout_rules))
+        copy = move(params, state_shardings(params, self.rollout_mesh, self.rollout_rules))
         if self._watcher is not None:
             self._watcher.submit(self._stamp_sync, dispatched, copy)
         return copy
@@ -255,7 +255,7 @@ class AsyncStep:
     @classmethod
     def _on(cls, mesh: Mesh, rules: AxisRules, tree: Any) -> Any:
         """Every array of `tree` onto `mesh` (`_shardings`)."""
-        return jax.device_put(tree, cls._shardings(mesh, rules, tree))
+        return move(tree, cls._shardings(mesh, rules, tree))
 
     @classmethod
     def _abstract(cls, tree: Any, mesh: Mesh, rules: AxisRules, rows: bool = False) -> Any:

@@ -83,7 +83,9 @@ def async_times(stamps: dict[str, float], previous: dict[str, float] | None
         time/train_wait_s      this train start - the previous update done (train devices
                                idle: the rollout was not ready, or host reward scoring)
     """
-    out = {}
+    out: dict[str, float] = {}
+    if "synced" not in stamps:  # not the asynchronous step
+        return out
     previous = previous or {}
     if "synced" in stamps and "sync_dispatch" in stamps:
         begin = max(stamps["sync_dispatch"], previous.get("end", -float("inf")))
