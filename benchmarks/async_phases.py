@@ -1,6 +1,7 @@
 """The asynchronous mode's phase times on 8 CPU devices, staleness 0/1/2 beside the fused step.
 
     python benchmarks/async_phases.py [--steps 60] [--staleness 0 1 2] [--rollout-devices 4]
+        [--rounds 1] [--json]
 
 Runs `jaxrl train configs/quickstart.yaml` for `--steps` steps with phase stamps on
 (perf.phase_times=true), one run after the other on this machine: the fused step over all 8
@@ -17,7 +18,9 @@ and queue fill) of:
     rollout_wait_s  time/rollout_wait_s: rollout devices idle between two batches
     train_wait_s    time/train_wait_s: train devices idle between two updates
 
-and the 8-device fused step's median over each run's (speedup). `--json` prints one JSON object
+and the 8-device fused step's median over each run's (speedup). `--rounds R` runs the whole
+sequence R times, interleaved, and reports the median over the rounds (and the range of
+step_s): on a shared machine one run's median moves by 2x between sittings. `--json` prints one JSON object
 per run. The 8 devices are XLA's host-platform devices sharing this machine's cores: the two
 sides compete for the same 2 CPUs, so the overlap the mode buys on separate accelerators
 shows here only as far as the cores are idle (a lower bound on what it gives).
@@ -66,21 +69,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rollout-devices", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.steps <= SKIP:
         parser.error(f"--steps must be more than {SKIP}")
-    results = []
+    train = 8 - args.rollout_devices
+    runs = [("fused (8 devices)", [], 8), (f"fused ({train} devices)", [], train)] + [
+        (f"async k={k} ({args.rollout_devices}+{train})",
+         ["algo.mode=async", f"sharding.rollout_devices={args.rollout_devices}",
+          f"algo.max_staleness={k}"], 8) for k in args.staleness]
+    rounds: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        results.append(run("fused (8 devices)", [], args.steps, Path(tmp) / "fused"))
-        train = 8 - args.rollout_devices
-        results.append(run(f"fused ({train} devices)", [], args.steps, Path(tmp) / "fused4",
-                           devices=train))
-        for k in args.staleness:
-            results.append(run(
-                f"async k={k} ({args.rollout_devices}+{8 - args.rollout_devices})",
-                ["algo.mode=async", f"sharding.rollout_devices={args.rollout_devices}",
-                 f"algo.max_staleness={k}"], args.steps, Path(tmp) / f"async{k}"))
+        for i in range(args.rounds):  # interleaved: machine noise hits every run alike
+            rounds.append([run(name, overrides, args.steps, Path(tmp) / f"{i}-{j}", devices)
+                           for j, (name, overrides, devices) in enumerate(runs)])
+    results = []
+    for j, (name, _, _) in enumerate(runs):
+        per_round = [r[j] for r in rounds]
+        merged = {"run": name, "rounds": args.rounds,
+                  "step_s_range": [min(r["step_s"] for r in per_round),
+                                   max(r["step_s"] for r in per_round)]}
+        for key in NAMES:
+            values = [r[key] for r in per_round if r[key] is not None]
+            merged[key] = float(np.median(values)) if values else None
+        results.append(merged)
     fused = results[0]["step_s"]
     for r in results:
         r["speedup"] = fused / r["step_s"]
@@ -88,10 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         for r in results:
             print(json.dumps(r))
         return
-    print(f"{'run':<22}" + "".join(f"{n:>16}" for n in (*NAMES, "speedup")))
+    print(f"{'run':<22}" + "".join(f"{n:>16}" for n in (*NAMES, "speedup")) + "  step_s range")
     for r in results:
         cells = [("-" if r[n] is None else f"{r[n] * 1e3:.1f} ms") for n in NAMES]
-        print(f"{r['run']:<22}" + "".join(f"{c:>16}" for c in cells) + f"{r['speedup']:>16.2f}")
+        low, high = r["step_s_range"]
+        print(f"{r['run']:<22}" + "".join(f"{c:>16}" for c in cells) + f"{r['speedup']:>16.2f}"
+              f"  {low * 1e3:.0f}-{high * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
