@@ -142,3 +142,19 @@ def test_staleness_one_and_two_learn_the_quickstart_task(tmp_path):
         assert summary["target_reached"], (k, summary["reward_best"], summary["reward_last"])
         records = read_metrics(tmp_path / str(k) / "metrics.jsonl")
         assert max(r["async/staleness_max"] for r in records) == k
+
+
+def test_sigterm_stops_both_sides_after_a_step_with_the_queue_saved(tmp_path):
+    process = _start(tmp_path, "train.max_steps=100000", "train.checkpoint_every=1000",
+                     "algo.max_staleness=2")
+    _wait_for_steps(process, tmp_path, 4)
+    process.send_signal(signal.SIGTERM)
+    out, _ = _finish(process, timeout=120)
+    summary = json.loads(out.strip().splitlines()[-1])
+    done = len(read_metrics(tmp_path / "metrics.jsonl"))
+    assert summary["stopped_by"] == "SIGTERM" and summary["checkpoint_step"] == done
+    # The two batches the rollout side had made ahead are in the checkpoint.
+    meta = Checkpoints(tmp_path).restore_queue(done, None)[1]
+    assert [p["step"] for p in meta["pending"]] == [done, done + 1]
+    # Batch m was made at call m - 2, from the weights after m - 2 updates.
+    assert [p["version"] for p in meta["pending"]] == [done - 2, done - 1]
