@@ -1,7 +1,8 @@
 """An asynchronous run's queue in its checkpoints: the batches made but not yet trained on.
 
     arrays, meta = queue_checkpoint(run.step, drawn)         at a checkpoint after step n
-    pending, drawn = restore_queue(checkpoints, n + 1, run.step, abstract)      on resume
+    entries = queue_entries(checkpoints, n + 1)                              on resume
+    pending, drawn = restore_queue(checkpoints, n + 1, entries, abstract)
 
 With `algo.max_staleness` k, once step n is done the rollout side has already made batches
 n+1..n+k, each from weights older than the checkpoint's (after n+1-k..n updates). They are
@@ -48,17 +49,17 @@ def queue_checkpoint(step: AsyncStep, drawn: Drawn) -> tuple[dict[str, Any], dic
     return arrays, meta
 
 
-def pending_count(checkpoints: Checkpoints, at: int) -> int:
-    """How many batches the queue of checkpoint `at` holds (0 for a synchronous run's)."""
-    return len(checkpoints.restore_queue(at, None)[1].get("pending", []))
+def queue_entries(checkpoints: Checkpoints, at: int) -> list[dict[str, Any]]:
+    """The JSON entries of checkpoint `at`'s pending batches, oldest first (none for a
+    synchronous run's checkpoint)."""
+    return checkpoints.restore_queue(at, None)[1].get("pending", [])
 
 
-def restore_queue(checkpoints: Checkpoints, at: int, step: AsyncStep, abstract: Any
-                  ) -> tuple[list[Produced], Drawn]:
-    """(pending batches, their draws) of checkpoint `at`, the arrays in the layout of
-    `abstract` (one batch's (rollout, reward inputs): `AsyncStep.abstract_rollout`)."""
-    _, meta = checkpoints.restore_queue(at, None)
-    entries = meta.get("pending", [])
+def restore_queue(checkpoints: Checkpoints, at: int, entries: list[dict[str, Any]],
+                  abstract: Any) -> tuple[list[Produced], Drawn]:
+    """(pending batches, their draws) of checkpoint `at` whose `queue_entries` are
+    `entries`, the arrays in the layout of `abstract` (one batch's (rollout, reward
+    inputs): `AsyncStep.abstract_rollout`)."""
     if not entries:
         return [], {}
     leaves, treedef = jax.tree.flatten(abstract)

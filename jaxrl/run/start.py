@@ -26,7 +26,7 @@ from rich.console import Console
 
 from jaxrl.config import ExperimentConfig, RunDirError
 from jaxrl.data.prompts import PromptBatch
-from jaxrl.run.async_queue import pending_count, restore_queue
+from jaxrl.run.async_queue import queue_entries, restore_queue
 from jaxrl.run.build import Run, build_run
 from jaxrl.run.checkpoint import Checkpoints, restore_key
 from jaxrl.run.placement import Placed
@@ -49,14 +49,13 @@ class Started:
     pre: Preflight
     setup_s: float
     checkpoints: Checkpoints | None  # the run's (train); None for bench
-    # An async run resumed with batches already made (`async_queue`): the first batch drawn
-    # is then that many steps past start_step, and `drawn` holds the made ones' draws.
-    first_step: int | None = None
+    # An async run resumed with batches already made (`async_queue`): their draws. The first
+    # batch drawn is then that many steps past start_step.
     drawn: dict[int, tuple[Any, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
     def batch(self, step: int) -> tuple[PromptBatch, Placed]:
         """Step `step`'s batch (host, placed): the prepared one first, then the next ones."""
-        if step == (self.start_step if self.first_step is None else self.first_step):
+        if step == self.start_step + len(self.drawn):
             return self.first
         batch = next(self.run.batches)
         return batch, self.run.place(batch)
@@ -79,23 +78,23 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
     checkpoints = Checkpoints(run_dir, keep=cfg.train.keep_checkpoints) if resumable else None
     try:
         run, state = build_run(cfg, run_dir, console, reuse_init=resume)
-        key, start_step, queued = jax.random.key(cfg.train.seed), 0, 0
+        key, start_step, queued = jax.random.key(cfg.train.seed), 0, []
         if resume:
             state, key, start_step = _resume(run, state, checkpoints, console)
-            queued = pending_count(checkpoints, start_step)
+            queued = queue_entries(checkpoints, start_step)
         batch = next(run.batches)
         first = (batch, run.place(batch))
-        args = (*first[1], jax.random.fold_in(key, start_step + queued))
+        args = (*first[1], jax.random.fold_in(key, start_step + len(queued)))
         drawn = {}
         if queued:
             if not isinstance(run.step, AsyncStep):
                 raise RunDirError(f"train.run_dir {str(run.run_dir)!r} holds an algo.mode=async "
-                                  f"checkpoint with {queued} batches made ahead; resume it "
-                                  f"with algo.mode=async")
-            pending, drawn = restore_queue(checkpoints, start_step, run.step,
+                                  f"checkpoint with {len(queued)} batches made ahead; resume "
+                                  f"it with algo.mode=async")
+            pending, drawn = restore_queue(checkpoints, start_step, queued,
                                            run.step.abstract_rollout(state, *args))
-            run.step.resume_with(pending, start_step + queued)
-            console.print(f"[bold]resume[/]: {queued} batches made before the checkpoint "
+            run.step.resume_with(pending, start_step + len(queued))
+            console.print(f"[bold]resume[/]: {len(queued)} batches made before the checkpoint "
                           f"(steps {pending[0].step}..{pending[-1].step}) restored")
         pre = preflight(run, state, args, console, refresh_peak=refresh_peak)
     except BaseException:
@@ -104,7 +103,7 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
         claim.release()
         raise
     return Started(run, state, key, start_step, resume, first, pre,
-                   time.perf_counter() - start, checkpoints, start_step + queued, drawn)
+                   time.perf_counter() - start, checkpoints, drawn)
 
 
 def _resume(run: Run, state: nnx.State, checkpoints: Checkpoints, console: Console

@@ -59,7 +59,7 @@ from jaxrl.rl import RewardInputs, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings
 from jaxrl.sharding.submeshes import move
-from jaxrl.step.builder import Step, StepOutput, host_reward_shardings, score_host_rows
+from jaxrl.step.builder import Step, StepOutput, score_host_rows
 from jaxrl.step.phases import generate, reward_inputs
 
 Batch = tuple[Prompts, dict[str, jax.Array], jax.Array, jax.Array]  # prompts, fields, rows, key
@@ -196,13 +196,18 @@ class AsyncStep:
             inputs=self._on(self.rollout_mesh, self.rollout_rules, p.inputs)) for p in pending)
         self.next_step = next_step
 
+    def _rollout_args(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Batch]:
+        """(weights as the rollout mesh holds them, abstract; `batch` on the rollout mesh):
+        the generate program's arguments."""
+        params = self._abstract(self._rollout_params(state), self.rollout_mesh,
+                                self.rollout_rules)
+        return params, self._on(self.rollout_mesh, self.rollout_rules, batch)
+
     def abstract_rollout(self, state: nnx.State, prompts: Prompts, fields_P, rows_P, key
                          ) -> tuple[Rollout, RewardInputs]:
         """Shapes, dtypes and shardings of one batch's (rollout, reward inputs) as the queue
         holds them on the rollout mesh."""
-        params = self._abstract(self._rollout_params(state), self.rollout_mesh,
-                                self.rollout_rules)
-        batch = self._on(self.rollout_mesh, self.rollout_rules, (prompts, fields_P, rows_P, key))
+        params, batch = self._rollout_args(state, (prompts, fields_P, rows_P, key))
         return self._abstract(jax.eval_shape(self._generate, params, *batch),
                               self.rollout_mesh, self.rollout_rules, rows=True)
 
@@ -211,21 +216,12 @@ class AsyncStep:
                 ) -> dict[str, Any]:
         """{"generate", "train"}: both programs compiled for these arguments (the generate
         program for weights resharded onto the rollout mesh); nothing is executed."""
-        params = self._abstract(self._rollout_params(state), self.rollout_mesh,
-                                self.rollout_rules)
-        batch = self._on(self.rollout_mesh, self.rollout_rules, (prompts, fields_P, rows_P, key))
+        params, batch = self._rollout_args(state, (prompts, fields_P, rows_P, key))
         generate_c = self._generate.lower(params, *batch).compile()
-        shapes = jax.eval_shape(self._generate, params, *batch)
-        outputs = self._abstract(shapes, self.mesh, self.rules, rows=True)
-        host_values = None
-        if self.rewards.python_rewards:
-            k, b = len(self.rewards.python_rewards), shapes[0].completion_ids_BxC.shape[0]
-            values_sharding, errors_sharding = host_reward_shardings(
-                self.mesh, outputs[0].completion_ids_BxC.sharding)
-            host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32, sharding=values_sharding),
-                           jax.ShapeDtypeStruct((b,), jnp.float32, sharding=errors_sharding))
-        train_c = self.trainer._train.lower(state, *outputs, host_values, ref_params).compile()
-        self._compiled = {"generate": generate_c, "train": train_c}
+        outputs = self._abstract(jax.eval_shape(self._generate, params, *batch), self.mesh,
+                                 self.rules, rows=True)
+        self._compiled = {"generate": generate_c,
+                          "train": self.trainer.compile_train(state, outputs, ref_params)}
         return dict(self._compiled)
 
     def compiled(self) -> dict[str, Any]:

@@ -188,16 +188,23 @@ class Step:
         shapes = jax.eval_shape(self._generate, state, prompts, fields_P, rows_P, key)
         outputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                shapes, generate.output_shardings)
+        self._compiled = {"generate": generate,
+                          "train": self.compile_train(state, outputs, ref_params)}
+        return dict(self._compiled)
+
+    def compile_train(self, state: nnx.State, outputs: tuple[Any, Any],
+                      ref_params: nnx.State | None = None) -> Any:
+        """The split train program compiled for the generate program's (rollout, reward
+        inputs) `outputs` (ShapeDtypeStructs with shardings) and, with Python rewards, the
+        host reward values scored between the two."""
         host_values = None
         if self.rewards.python_rewards:
-            k, b = len(self.rewards.python_rewards), shapes[0].completion_ids_BxC.shape[0]
-            values_sharding, errors_sharding = host_reward_shardings(
-                self.mesh, generate.output_shardings[0].completion_ids_BxC)
+            ids = outputs[0].completion_ids_BxC
+            k, b = len(self.rewards.python_rewards), ids.shape[0]
+            values_sharding, errors_sharding = host_reward_shardings(self.mesh, ids.sharding)
             host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32, sharding=values_sharding),
                            jax.ShapeDtypeStruct((b,), jnp.float32, sharding=errors_sharding))
-        train = self._train.lower(state, *outputs, host_values, ref_params).compile()
-        self._compiled = {"generate": generate, "train": train}
-        return dict(self._compiled)
+        return self._train.lower(state, *outputs, host_values, ref_params).compile()
 
     def compiled(self) -> dict[str, Any]:
         """{name: jax Compiled} of the program(s) `compile` made (empty before it ran)."""
