@@ -343,7 +343,7 @@ def main() -> None:
 
 def check_schedule(graphdef, params, engine, prompts, limits, new, expected, mesh, rules):
     """Runs `continuous.rollout` under jit and asserts its (iterations, slot steps)."""
-    from jaxrl.rollout.continuous import rollout
+    from jaxrl.rollout.decode_loop import rollout
 
     @jax.jit
     def steps(params, ids_BxP, mask_BxP, limit_B):

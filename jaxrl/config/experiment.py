@@ -70,6 +70,13 @@ class ExperimentConfig:
                              f"{algo.loss.tis_cap} needs rollout.temperature=1.0 (the "
                              f"sampler's log-probs it corrects are at temperature 1), got "
                              f"{rollout.temperature}")
+        if rollout.inflight_updates and (algo.mode != "async" or algo.max_staleness < 2):
+            # A batch spans max_staleness steps from its first piece to its training; with
+            # fewer than 2 no new weights arrive while it is generated.
+            raise ValueError(f"rollout.inflight_updates=true needs algo.mode=async with "
+                             f"algo.max_staleness >= 2 (new weights arrive while a batch is "
+                             f"generated only then), got algo.mode={algo.mode}, "
+                             f"algo.max_staleness={algo.max_staleness}")
         rows = self.data.batch_size * rollout.num_generations
         try:
             algo.batch_split(rows)

@@ -60,6 +60,10 @@ class RolloutSection(SamplingSection):
     # auto: the TPU kernel (Pallas ragged_paged_attention) on TPU when it takes the shapes,
     # else the XLA path (blocks of pages up to the longest live row)
     attention: Literal["auto", "xla", "pallas"] = "auto"
+    # algo.mode=async with algo.max_staleness >= 2 only: a batch is generated in pieces over
+    # the steps it waits for, each piece with the newest weights (PipelineRL's in-flight
+    # weight updates; jaxrl.rollout.inflight). Each token records its weight version.
+    inflight_updates: bool = False
 
     def __post_init__(self):
         require_at_least("rollout", self, ("num_generations", "max_new_tokens", "page_size"))
@@ -69,6 +73,10 @@ class RolloutSection(SamplingSection):
             self.engine_config()  # the engine's own checks of how its settings combine
         except ValueError as e:
             raise ValueError(f"rollout.{e}") from None
+        if self.inflight_updates and self.min_slots is not None:
+            raise ValueError(f"rollout.inflight_updates=true keeps a rollout's slot count "
+                             f"between its pieces, but rollout.min_slots={self.min_slots}; "
+                             f"expected null")
         if self.ignore_eos and self.stop_token_ids:
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")

@@ -11,10 +11,8 @@ JetStream's Engine shape, pure JAX, every function traceable into one compiled p
     state, tokens  = generate(model, state, prefix, ...)        one token for every live slot
     slots          = max_concurrent_decodes(config, rows)
 
-`rollout(...)` runs them in a `lax.while_loop`: whenever slots are free it inserts the next
-pending rows (continuous batching; `static` waits until every slot is free, then inserts a
-whole batch), then decodes one token for every live slot, until every row has finished
-(with `min_slots`, once no row waits, in ever fewer slots: `shrink`). A
+The loop that runs them (`jaxrl.rollout.decode_loop`) inserts pending rows whenever slots
+are free and decodes one token for every live slot until every row has finished. A
 row is (prompt p, sample g) at index p * G + g; its token t is drawn with
 fold_in(key_r, t), key_r its own key, so a row gets the same tokens in any slot, with any
 number of slots and under either batching. A row ends at its first stop token (kept) or at
@@ -28,14 +26,13 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
 from jaxrl.models import PagedKV, Transformer
 from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, take
-from jaxrl.rollout.sampler import Rollout, SamplerConfig, prompt_keys, sample_rows
 from jaxrl.rollout.sampler import prefill as dense_prefill
+from jaxrl.rollout.sampler import sample_rows
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.sharding import constrain
 
 Batching = Literal["continuous", "static"]
 
@@ -246,66 +243,6 @@ def admit(state: DecodeState, prefix: Prefix, layout: PoolLayout, queue_B: jax.A
     return slot_row_S, next_ + k
 
 
-def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
-            row_keys_B: jax.Array, limit_B: jax.Array, max_new_tokens: int,
-            config: EngineConfig, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
-            sampling: SamplingParams) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """(state, iterations, slot steps): every row's completion (in the state's [B, C]
-    outputs), the decode iterations run and the slots they ran (live or not) summed.
-
-    `config.min_slots`: once no row waits, whenever the live rows fit in half the slots they
-    move there (`shrink`), down to `min_slots`: each tier is its own `while_loop`, so one more
-    compiled decode step, and the tail of long rows stops paying for free slots."""
-    num_prompts, prompt_len = prompt_ids_PxL.shape
-    b = row_keys_B.shape[0]
-    g = b // num_prompts
-    slots = max_concurrent_decodes(config, b)
-    layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
-                             prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                             num_slots=slots, row_pages=config.row_pages)
-    stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
-    config = dataclasses.replace(config, attention=resolve_attention(
-        config.attention, model.config, layout, slots))
-    graphdef, weights = nnx.split(model)
-    state = init_decode_state(model, layout, slots, b, max_new_tokens, pad_token_id)
-    state, prefix = prefill_group(nnx.merge(graphdef, weights, copy=True), state, layout,
-                                  prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
-                                  stop_ids, sampling)
-    # Rows that ended on their first token never take a slot; the others queue in row order.
-    queue_B = jnp.argsort(prefix.done_B, stable=True).astype(jnp.int32)
-    num_queued = jnp.sum(~prefix.done_B, dtype=jnp.int32)
-
-    def admit_and_insert(state, next_):
-        slot_row_S, next_ = admit(state, prefix, layout, queue_B, num_queued, next_, limit_B,
-                                  g, config.batching)
-        return insert(state, prefix, layout, slot_row_S, limit_B, g), next_
-
-    def body(carry):
-        state, next_, steps, slot_steps = carry
-        # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
-        state, next_ = jax.lax.cond((next_ < num_queued) & ~jnp.all(state.live_S),
-                                    admit_and_insert, lambda st, n: (st, n), state, next_)
-        state, _ = generate(nnx.merge(graphdef, weights, copy=True), state, prefix, layout,
-                            config, row_keys_B, limit_B, stop_ids, g, sampling)
-        return state, next_, steps + 1, slot_steps + state.row_S.shape[0]
-
-    tiers = slot_tiers(slots, config.min_slots)
-    carry = (state, jnp.int32(0), jnp.int32(0), jnp.int32(0))
-    for k, num_slots in enumerate(tiers):
-        # Tier k runs while rows wait or more rows live than the next tier has slots.
-        below = tiers[k + 1] if k + 1 < len(tiers) else 0
-
-        def cond(carry, below=below):
-            state, next_, _, _ = carry
-            return (next_ < num_queued) | (jnp.sum(state.live_S) > below)
-
-        if k:
-            carry = (shrink(carry[0], num_slots), *carry[1:])
-        carry = jax.lax.while_loop(cond, body, carry)
-    state, _, steps, slot_steps = carry
-    return state, steps, slot_steps
-
-
 def max_concurrent_decodes(config: EngineConfig, num_rows: int) -> int:
     """The decode slots of a rollout of `num_rows` rows: `max_slots` (None: every row), at
     most the rows, at least 2: with one row XLA's dots take their matrix-vector path, which
@@ -354,38 +291,3 @@ def resolve_attention(attention: str, model_config, layout: PoolLayout, num_slot
     except (ValueError, NotImplementedError):
         return "xla"
     return "pallas"
-
-
-def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
-                      key: jax.Array, config: SamplerConfig,
-                      limit_B: jax.Array | None = None) -> Rollout:
-    """`sampler.sample` on the engine: the same Rollout, row for row (pure; call under jit).
-
-    `limit_B` (int32 [B]) caps each row's new tokens (default: all `config.max_new_tokens`).
-    """
-    num_prompts = prompt_ids_PxL.shape[0]
-    n = config.num_generations
-    b = num_prompts * n
-    row_keys_B = jax.vmap(lambda k: jax.random.split(k, n))(
-        prompt_keys(key, num_prompts)).reshape(-1)
-    if limit_B is None:
-        limit_B = jnp.full((b,), config.max_new_tokens, jnp.int32)
-    limit_B = jnp.clip(limit_B.astype(jnp.int32), 1, config.max_new_tokens)
-    state, _, slot_steps = rollout(
-        model, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B, config.max_new_tokens,
-        config.engine or EngineConfig(max_slots=b), stop_token_ids=config.stop_token_ids,
-        pad_token_id=config.pad_token_id, sampling=config.sampling)
-    mask_BxC = state.mask_BxC
-    num_steps = jnp.max(jnp.sum(mask_BxC, axis=1, dtype=jnp.int32))
-
-    def repeat(x):
-        return jnp.repeat(x, n, axis=0)
-
-    tokens_BxC, mask_BxC, logp_BxC, logp_raw_BxC, ids_BxL, pmask_BxL = (
-        constrain(x, ("batch", "seq")) for x in (
-            state.tokens_BxC, mask_BxC, state.logp_BxC, state.logp_raw_BxC,
-            repeat(prompt_ids_PxL), repeat(prompt_mask_PxL.astype(bool))))
-    return Rollout(prompt_ids_BxP=ids_BxL, prompt_mask_BxP=pmask_BxL,
-                   completion_ids_BxC=tokens_BxC, completion_mask_BxC=mask_BxC,
-                   logp_BxC=logp_BxC, logp_raw_BxC=logp_raw_BxC, num_steps=num_steps,
-                   decode_slot_steps=slot_steps)

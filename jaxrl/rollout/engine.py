@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.rollout.continuous import sample_continuous
+from jaxrl.rollout import inflight
+from jaxrl.rollout.decode_loop import sample_continuous
+from jaxrl.rollout.inflight import Partial, constrain_partial
 from jaxrl.rollout.sampler import Rollout, SamplerConfig, sample
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 
@@ -61,22 +63,48 @@ class Sampler:
         """The pure body of `generate`, to compose into a larger jitted program (the RL step)."""
         if limits_B is not None and self.config.engine is None:
             raise ValueError("per-row limits need the engine (SamplerConfig.engine)")
+
+        def run(model, prompts):
+            if self.config.engine is None:
+                return sample(model, *prompts, key, self.config)
+            return sample_continuous(model, *prompts, key, self.config, limits_B)
+
+        return self._on_rules(run, params, prompts)
+
+    def start_traced(self, params: nnx.State, prompts: Prompts, key: jax.Array,
+                     version: jax.Array, stop_at: jax.Array) -> Partial:
+        """`jaxrl.rollout.inflight.start` (a rollout in pieces; the engine only)."""
+        return self._on_rules(lambda model, prompts: constrain_partial(inflight.start(
+            model, self.config, *prompts, key, version, stop_at)), params, prompts)
+
+    def resume_traced(self, params: nnx.State, partial: Partial, version: jax.Array,
+                      stop_at: jax.Array) -> Partial:
+        """`jaxrl.rollout.inflight.resume`: `partial` decoded on by the weights `params`."""
+        return self._on_rules(lambda model, _: constrain_partial(inflight.resume(
+            model, self.config, constrain_partial(partial), version, stop_at)), params, None)
+
+    def finish_traced(self, partial: Partial) -> tuple[Rollout, jax.Array]:
+        """`jaxrl.rollout.inflight.finish`: (rollout, version_BxC) of a finished rollout."""
+        if self.mesh is None:
+            return inflight.finish(self.config, partial)
+        with use_rules(self.mesh, self.rules):
+            return inflight.finish(self.config, constrain_partial(partial))
+
+    def _on_rules(self, run, params: nnx.State, prompts: Prompts | None):
+        """`run(model, prompts)` with the policy of `params` (cast to its compute dtype) and
+        the prompts laid out by the rollout rules, under them (as given without a mesh)."""
         # Cast before resharding: the model casts every weight to the compute dtype at use
         # anyway, so gathering (and holding) the rollout copy in it halves the traffic of
         # fp32 weights with bf16 compute and changes no result.
         dtype = nnx.merge(self.graphdef, params).config.compute_dtype
         params = jax.tree.map(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-        def run(model, ids_BxP, mask_BxP, key, config):
-            if config.engine is None:
-                return sample(model, ids_BxP, mask_BxP, key, config)
-            return sample_continuous(model, ids_BxP, mask_BxP, key, config, limits_B)
-
         if self.mesh is None:
-            return run(nnx.merge(self.graphdef, params), *prompts, key, self.config)
+            return run(nnx.merge(self.graphdef, params), prompts)
         params = jax.lax.with_sharding_constraint(
             params, state_shardings(params, self.mesh, self.rules))
-        rows = self.rules.sharding(("batch", "seq"), prompts.ids_BxP.shape, self.mesh)
-        prompts = Prompts(*(jax.lax.with_sharding_constraint(x, rows) for x in prompts))
+        if prompts is not None:
+            rows = self.rules.sharding(("batch", "seq"), prompts.ids_BxP.shape, self.mesh)
+            prompts = Prompts(*(jax.lax.with_sharding_constraint(x, rows) for x in prompts))
         with use_rules(self.mesh, self.rules):
-            return run(nnx.merge(self.graphdef, params), *prompts, key, self.config)
+            return run(nnx.merge(self.graphdef, params), prompts)

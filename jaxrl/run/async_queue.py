@@ -10,7 +10,10 @@ n+1..n+k, each from weights older than the checkpoint's (after n+1-k..n updates)
 them, each as large as the policy, while a batch of rollouts is a few token arrays. Saved per
 batch: its rollout and reward inputs (the `queue` item, one entry per leaf) and, as JSON
 (`queue_meta`), its step, the weight version it was made from and what the loop noted at its
-draw (the prompt positions the curriculum observes, the data metrics). The prompt iterator's
+draw (the prompt positions the curriculum observes, the data metrics). With in-flight
+weight updates (`rollout.inflight_updates`) the batches still being generated are saved as
+they stand between two pieces (`jaxrl.rollout.inflight.Partial`: the KV pool, the slots,
+the tokens so far and the version of each) and go on from there. The prompt iterator's
 state in the checkpoint is after those draws, so a resumed run draws batch n+k+1 next and
 trains n+1..n+k on the very rollouts the interrupted run would have: its metrics equal the
 uninterrupted run's, timings aside (tested after SIGKILL).
@@ -40,9 +43,9 @@ def queue_checkpoint(step: AsyncStep, drawn: Drawn) -> tuple[dict[str, Any], dic
     missing = [p.step for p in pending if p.step not in drawn]
     if missing:
         raise ValueError(f"the queue holds steps {missing} whose draws were not noted")
-    arrays = {f"step_{p.step}": _entry((p.rollout, p.inputs)) for p in pending}
+    arrays = {f"step_{p.step}": _entry(p.saved()) for p in pending}
     meta = {"pending": [
-        {"step": p.step, "version": p.version,
+        {"step": p.step, "version": p.version, "made": p.made,
          "positions": np.asarray(drawn[p.step][0]).tolist(),
          "data_metrics": {k: float(v) for k, v in drawn[p.step][1].items()}}
         for p in pending]}
@@ -56,21 +59,34 @@ def queue_entries(checkpoints: Checkpoints, at: int) -> list[dict[str, Any]]:
 
 
 def restore_queue(checkpoints: Checkpoints, at: int, entries: list[dict[str, Any]],
-                  abstract: Any) -> tuple[list[Produced], Drawn]:
+                  abstract: dict[str, Any]) -> tuple[list[Produced], Drawn]:
     """(pending batches, their draws) of checkpoint `at` whose `queue_entries` are
-    `entries`, the arrays in the layout of `abstract` (one batch's (rollout, reward
-    inputs): `AsyncStep.abstract_rollout`)."""
+    `entries`, the arrays in the layout of `abstract` (`AsyncStep.abstract_entries`: what
+    `Produced.saved` holds of a made batch, and of one in flight)."""
     if not entries:
         return [], {}
-    leaves, treedef = jax.tree.flatten(abstract)
-    target = {f"step_{e['step']}": _entry(abstract) for e in entries}
+
+    def kind(e):  # checkpoints from before in-flight updates hold made batches only
+        return "made" if e.get("made", True) else "partial"
+
+    missing = {kind(e) for e in entries} - set(abstract)
+    if missing:
+        raise ValueError(f"checkpoint {at} holds batches in flight (generated with "
+                         f"rollout.inflight_updates=true); resume it with that setting")
+    target = {f"step_{e['step']}": _entry(abstract[kind(e)]) for e in entries}
     arrays, _ = checkpoints.restore_queue(at, target)
     pending = []
     for e in entries:
         saved = arrays[f"step_{e['step']}"]
-        rollout, inputs = jax.tree.unflatten(treedef, [saved[f"leaf_{j}"]
-                                                       for j in range(len(leaves))])
-        pending.append(Produced(int(e["step"]), int(e["version"]), rollout, inputs))
+        leaves, treedef = jax.tree.flatten(abstract[kind(e)])
+        tree = jax.tree.unflatten(treedef, [saved[f"leaf_{j}"] for j in range(len(leaves))])
+        if kind(e) == "made":
+            rollout, inputs, version_BxC = tree
+            pending.append(Produced(int(e["step"]), int(e["version"]), rollout, inputs,
+                                    version_BxC))
+        else:
+            pending.append(Produced(int(e["step"]), int(e["version"]), None, None,
+                                    partial=tree))
     drawn = {int(e["step"]): (np.asarray(e["positions"], np.int64), dict(e["data_metrics"]))
              for e in entries}
     return pending, drawn

@@ -150,7 +150,10 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         console.print(f"[bold]async[/]: {rollout_mesh.size} rollout devices (mesh "
                       f"{dict(rollout_mesh.shape)}, layout {rollout_layout.name}) and "
                       f"{mesh.size} train devices; batches trained at most "
-                      f"{cfg.algo.max_staleness} updates after the weights that made them")
+                      f"{cfg.algo.max_staleness} updates after the weights that made them"
+                      + ("; in-flight weight updates (each batch generated in "
+                         f"{cfg.algo.max_staleness} pieces, each with the newest weights)"
+                         if cfg.rollout.inflight_updates else ""))
         if cfg.algo.max_staleness > 0 and not cfg.algo.loss.uses_sampler_logp:
             console.print("[yellow]async[/]: no off-policy correction (algo.loss.correction="
                           "tis without tis_cap): stale batches are trained as if on-policy; "
@@ -208,7 +211,9 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         step = AsyncStep(algo, graphdef, sampler, rewards, optim=cfg.optim,
                          train=(mesh, layout.train_rules),
                          rollout=(rollout_mesh, rollout_layout.rollout_rules),
-                         max_staleness=algo.max_staleness, phase_times=_phase_times(cfg, mesh))
+                         max_staleness=algo.max_staleness,
+                         inflight_updates=cfg.rollout.inflight_updates,
+                         phase_times=_phase_times(cfg, mesh))
     else:
         step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
                           rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))

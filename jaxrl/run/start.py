@@ -92,7 +92,7 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
                                   f"checkpoint with {len(queued)} batches made ahead; resume "
                                   f"it with algo.mode=async")
             pending, drawn = restore_queue(checkpoints, start_step, queued,
-                                           run.step.abstract_rollout(state, *args))
+                                           run.step.abstract_entries(state, *args))
             run.step.resume_with(pending, start_step + len(queued))
             console.print(f"[bold]resume[/]: {len(queued)} batches made before the checkpoint "
                           f"(steps {pending[0].step}..{pending[-1].step}) restored")

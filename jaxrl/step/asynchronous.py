@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.config import AlgoSection, OptimSection
 from jaxrl.rl import RewardInputs, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.rollout.inflight import Partial, partial_shardings
 from jaxrl.sharding import AxisRules, state_shardings
 from jaxrl.sharding.submeshes import move
 from jaxrl.step.builder import Step, StepOutput, score_host_rows
@@ -67,12 +68,26 @@ Batch = tuple[Prompts, dict[str, jax.Array], jax.Array, jax.Array]  # prompts, f
 
 @dataclasses.dataclass
 class Produced:
-    """A rollout dispatched on the rollout mesh, with the weight version it was made from."""
+    """A rollout dispatched on the rollout mesh, with the weight version it was started from.
+    With in-flight updates it is first a `Partial` (with its batch's fields and rows) and
+    then, once finished, a rollout with each token's weight version (`version_BxC`)."""
 
     step: int
     version: int
-    rollout: Rollout
-    inputs: RewardInputs
+    rollout: Rollout | None
+    inputs: RewardInputs | None
+    version_BxC: jax.Array | None = None
+    partial: tuple[Partial, dict[str, jax.Array], jax.Array] | None = None
+
+    @property
+    def made(self) -> bool:
+        """Whether the rollout is finished (else `partial` holds it in flight)."""
+        return self.rollout is not None
+
+    def saved(self) -> Any:
+        """The arrays a checkpoint keeps of it: (rollout, inputs, version_BxC) when made,
+        else (partial, fields_P, rows_P)."""
+        return (self.rollout, self.inputs, self.version_BxC) if self.made else self.partial
 
 
 class AsyncStep:
@@ -87,10 +102,16 @@ class AsyncStep:
     def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler,
                  rewards: RewardSet, *, optim: OptimSection | None = None,
                  train: tuple[Mesh, AxisRules], rollout: tuple[Mesh, AxisRules],
-                 max_staleness: int = 1, phase_times: bool = False):
+                 max_staleness: int = 1, inflight_updates: bool = False,
+                 phase_times: bool = False):
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or \
                 max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+        if inflight_updates and max_staleness < 2:
+            raise ValueError(f"inflight_updates needs max_staleness >= 2 (a batch is generated "
+                             f"within one step otherwise), got {max_staleness}")
+        if inflight_updates and sampler.config.engine is None:
+            raise ValueError("inflight_updates needs the engine (SamplerConfig.engine)")
         if set(train[0].devices.flat) & set(rollout[0].devices.flat):
             raise ValueError("the train and rollout meshes share devices; split them with "
                              "jaxrl.sharding.submeshes.split_devices")
@@ -98,6 +119,9 @@ class AsyncStep:
         self.mesh, self.rules = train
         self.rollout_mesh, self.rollout_rules = rollout
         self.max_staleness = max_staleness
+        self.inflight = inflight_updates
+        # Decode iterations of each piece but a batch's last (which runs to the end).
+        self.piece_steps = -(-sampler.config.max_new_tokens // max(max_staleness, 1))
         # Split mode's train program: score (host rewards scored between the programs),
         # advantages, updates.
         self.trainer = Step(dataclasses.replace(cfg, mode="split"), graphdef, sampler, rewards,
@@ -121,7 +145,11 @@ class AsyncStep:
         self.sampler = sampler
         self.trainer.use_sampler(sampler)
         self._generate = jax.jit(functools.partial(AsyncStep._generate_body, self))
-        self.programs = (self._generate, self.trainer._train)
+        self._start = jax.jit(functools.partial(AsyncStep._start_body, self))
+        self._resume = jax.jit(sampler.resume_traced, donate_argnums=1)
+        self._finish = jax.jit(functools.partial(AsyncStep._finish_body, self))
+        self.programs = ((self._start, self._resume, self._finish) if self.inflight
+                         else (self._generate,)) + (self.trainer._train,)
         self._compiled: dict[str, Any] = {}
 
     def _generate_body(self, params, prompts, fields_P, rows_P, key):
@@ -133,6 +161,19 @@ class AsyncStep:
             "generated", rollout.num_steps, rollout.completion_ids_BxC))
         return rollout, reward_inputs(rollout, fields_P, rows_P,
                                       self.sampler.config.num_generations)
+
+    def _start_body(self, params, prompts, key, version, stop_at):
+        ids_BxP = self.clock.stamp("start", jnp.sum(prompts.mask_BxP, dtype=jnp.int32),
+                                   prompts.ids_BxP)
+        return self.sampler.start_traced(params, Prompts(ids_BxP, prompts.mask_BxP), key,
+                                         version, stop_at)
+
+    def _finish_body(self, partial, fields_P, rows_P):
+        rollout, version_BxC = self.sampler.finish_traced(partial)
+        rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
+            "generated", rollout.num_steps, rollout.completion_ids_BxC))
+        return rollout, reward_inputs(rollout, fields_P, rows_P,
+                                      self.sampler.config.num_generations), version_BxC
 
     def _rollout_params(self, state: nnx.State) -> nnx.State:
         return nnx.state(nnx.merge(self.graphdef, state).model, nnx.Param)
@@ -156,8 +197,47 @@ class AsyncStep:
         """Dispatches generation of batch `step` from `params` (weights after `version`
         updates) and queues it."""
         batch = self._on(self.rollout_mesh, self.rollout_rules, batch)
-        rollout, inputs = self._compiled.get("generate", self._generate)(params, *batch)
-        self.queue.append(Produced(step, version, rollout, inputs))
+        if not self.inflight:
+            rollout, inputs = self._compiled.get("generate", self._generate)(params, *batch)
+            self.queue.append(Produced(step, version, rollout, inputs))
+            return
+        prompts, fields_P, rows_P, key = batch
+        partial = self._compiled.get("start", self._start)(
+            params, prompts, key, jnp.int32(version), self._stop_at(step, version))
+        self.queue.append(Produced(step, version, None, None,
+                                   partial=(partial, fields_P, rows_P)))
+        self._finish_if_due(self.queue[-1], version)
+
+    def _last_piece_call(self, step: int) -> int:
+        """The call that generates batch `step`'s last piece (in-flight updates): the one
+        before it is trained, or call 0 for batch 0."""
+        return max(step - 1, 0)
+
+    def _stop_at(self, step: int, call: int) -> jax.Array:
+        """Decode iterations batch `step` has run in all after its piece at call `call`:
+        `piece_steps` per call since its first, unbounded at its last."""
+        if call >= self._last_piece_call(step):
+            return jnp.int32(np.iinfo(np.int32).max)
+        first = max(step - self.max_staleness, 0)
+        return jnp.int32((call - first + 1) * self.piece_steps)
+
+    def _finish_if_due(self, entry: Produced, call: int) -> None:
+        if call >= self._last_piece_call(entry.step):
+            entry.rollout, entry.inputs, entry.version_BxC = self._compiled.get(
+                "finish", self._finish)(*entry.partial)
+            entry.partial = None
+
+    def advance_pieces(self, params: nnx.State, call: int) -> None:
+        """Each batch in flight decodes its next piece with `params` (the weights after
+        `call` updates), oldest first; those whose last piece this is are finished."""
+        for entry in self.queue:
+            if entry.made:
+                continue
+            partial, fields_P, rows_P = entry.partial
+            partial = self._compiled.get("resume", self._resume)(
+                params, partial, jnp.int32(call), self._stop_at(entry.step, call))
+            entry.partial = (partial, fields_P, rows_P)
+            self._finish_if_due(entry, call)
 
     def __call__(self, state: nnx.State, step: int, batch_of: Callable[[int], Batch],
                  ref_params: nnx.State | None = None) -> tuple[nnx.State, StepOutput]:
@@ -168,6 +248,8 @@ class AsyncStep:
         if not self.queue:
             self.next_step = step
         params = self.sync(state)  # `step` updates applied so far (one per step)
+        if self.inflight:
+            self.advance_pieces(params, step)
         while self.next_step <= step + self.max_staleness:
             self.produce(params, self.next_step, step, batch_of(self.next_step))
             self.next_step += 1
@@ -177,8 +259,12 @@ class AsyncStep:
                        if self.rewards.python_rewards else None)
         state, out = self._compiled.get("train", self.trainer._train)(
             state, rollout, inputs, host_values, ref_params)
-        staleness = float(step - made.version)
-        out.metrics.update({"async/staleness_mean": staleness, "async/staleness_max": staleness,
+        if made.version_BxC is None:
+            mean = top = float(step - made.version)
+        else:  # per token: the version that drew it
+            mean, top = _token_staleness(made.version_BxC, made.rollout.completion_mask_BxC,
+                                         step)
+        out.metrics.update({"async/staleness_mean": mean, "async/staleness_max": top,
                             "async/weight_sync_bytes": float(self.sync_bytes)})
         return state, out
 
@@ -191,9 +277,19 @@ class AsyncStep:
     def resume_with(self, pending: list[Produced], next_step: int) -> None:
         """Continues a run whose queue held `pending` (restored from a checkpoint; each
         rollout is moved onto the rollout mesh) with `next_step` the next batch to make."""
-        self.queue = collections.deque(dataclasses.replace(
-            p, rollout=self._on(self.rollout_mesh, self.rollout_rules, p.rollout),
-            inputs=self._on(self.rollout_mesh, self.rollout_rules, p.inputs)) for p in pending)
+        def on_rollout_mesh(p: Produced) -> Produced:
+            if not p.made:
+                partial, fields_P, rows_P = p.partial
+                partial = move(partial, partial_shardings(partial, self.rollout_mesh,
+                                                          self.rollout_rules))
+                rest = self._on(self.rollout_mesh, self.rollout_rules, (fields_P, rows_P))
+                return dataclasses.replace(p, partial=(partial, *rest))
+            rollout, inputs, version_BxC = self._on(self.rollout_mesh, self.rollout_rules,
+                                                    p.saved())
+            return dataclasses.replace(p, rollout=rollout, inputs=inputs,
+                                       version_BxC=version_BxC)
+
+        self.queue = collections.deque(on_rollout_mesh(p) for p in pending)
         self.next_step = next_step
 
     def _rollout_args(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Batch]:
@@ -203,13 +299,28 @@ class AsyncStep:
                                 self.rollout_rules)
         return params, self._on(self.rollout_mesh, self.rollout_rules, batch)
 
-    def abstract_rollout(self, state: nnx.State, prompts: Prompts, fields_P, rows_P, key
-                         ) -> tuple[Rollout, RewardInputs]:
-        """Shapes, dtypes and shardings of one batch's (rollout, reward inputs) as the queue
-        holds them on the rollout mesh."""
+    def abstract_entries(self, state: nnx.State, prompts: Prompts, fields_P, rows_P, key
+                         ) -> dict[str, Any]:
+        """Shapes, dtypes and shardings of what `Produced.saved` holds of one batch on the
+        rollout mesh: {"made": (rollout, inputs, version_BxC)}, and with in-flight updates
+        also {"partial": (partial, fields_P, rows_P)}."""
         params, batch = self._rollout_args(state, (prompts, fields_P, rows_P, key))
-        return self._abstract(jax.eval_shape(self._generate, params, *batch),
-                              self.rollout_mesh, self.rollout_rules, rows=True)
+        mesh, rules = self.rollout_mesh, self.rollout_rules
+        if not self.inflight:
+            rollout, inputs = jax.eval_shape(self._generate, params, *batch)
+            return {"made": self._abstract((rollout, inputs, None), mesh, rules, rows=True)}
+        partial = self._abstract_partial(params, batch)
+        made = jax.eval_shape(self._finish, partial, *batch[1:3])
+        return {"made": self._abstract(made, mesh, rules, rows=True),
+                "partial": (partial, *self._abstract(batch[1:3], mesh, rules, rows=True))}
+
+    def _abstract_partial(self, params: nnx.State, batch: Batch) -> Partial:
+        prompts, _, _, key = batch
+        one = jax.ShapeDtypeStruct((), jnp.int32)
+        partial = jax.eval_shape(self._start, params, prompts, key, one, one)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            partial, partial_shardings(partial, self.rollout_mesh,
+                                                       self.rollout_rules))
 
     def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
@@ -217,11 +328,20 @@ class AsyncStep:
         """{"generate", "train"}: both programs compiled for these arguments (the generate
         program for weights resharded onto the rollout mesh); nothing is executed."""
         params, batch = self._rollout_args(state, (prompts, fields_P, rows_P, key))
-        generate_c = self._generate.lower(params, *batch).compile()
-        outputs = self._abstract(jax.eval_shape(self._generate, params, *batch), self.mesh,
-                                 self.rules, rows=True)
-        self._compiled = {"generate": generate_c,
-                          "train": self.trainer.compile_train(state, outputs, ref_params)}
+        if self.inflight:
+            one = jax.ShapeDtypeStruct((), jnp.int32)
+            partial = self._abstract_partial(params, batch)
+            compiled = {"start": self._start.lower(params, batch[0], batch[3], one,
+                                                   one).compile(),
+                        "resume": self._resume.lower(params, partial, one, one).compile(),
+                        "finish": self._finish.lower(partial, *batch[1:3]).compile()}
+            made = jax.eval_shape(self._finish, partial, *batch[1:3])[:2]
+        else:
+            compiled = {"generate": self._generate.lower(params, *batch).compile()}
+            made = jax.eval_shape(self._generate, params, *batch)
+        outputs = self._abstract(made, self.mesh, self.rules, rows=True)
+        compiled["train"] = self.trainer.compile_train(state, outputs, ref_params)
+        self._compiled = compiled
         return dict(self._compiled)
 
     def compiled(self) -> dict[str, Any]:
@@ -261,3 +381,13 @@ class AsyncStep:
                      else state_shardings(tree, mesh, rules))
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             tree, shardings)
+
+
+@jax.jit
+def _token_staleness(version_BxC: jax.Array, mask_BxC: jax.Array, step: int
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(mean, max) over the rollout's tokens of the updates between the weights that drew
+    each token and those it trains (`step` updates)."""
+    stale_BxC = (step - version_BxC).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(mask_BxC, stale_BxC, 0)) / jnp.maximum(jnp.sum(mask_BxC), 1)
+    return mean, jnp.max(jnp.where(mask_BxC, stale_BxC, 0))

@@ -18,8 +18,8 @@ from jaxrl.rollout.continuous import (
     insert,
     max_concurrent_decodes,
     prefill,
-    rollout,
 )
+from jaxrl.rollout.decode_loop import rollout
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.rollout.sampler import prompt_keys
 from tests.rollout.test_sampler import (
@@ -137,7 +137,7 @@ def test_per_row_limits_truncate_each_row():
 
     @jax.jit
     def run(state, ids, mask, key, limits):
-        from jaxrl.rollout.continuous import sample_continuous
+        from jaxrl.rollout.decode_loop import sample_continuous
         return sample_continuous(nnx.merge(graphdef, state), ids, mask, key, config, limits)
 
     limited = run(state, *prompts(), jax.random.key(0), limits)

@@ -1,6 +1,8 @@
 """The asynchronous step on 4 rollout + 4 train CPU devices: staleness 0 gives the
-synchronous step's numbers; staleness k trains batch n on weights min(n, k) updates old."""
+synchronous step's numbers; staleness k trains batch n on weights min(n, k) updates old;
+with in-flight weight updates later pieces of a batch are drawn by newer weights."""
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +12,7 @@ from flax import nnx
 
 from jaxrl.models import Transformer
 from jaxrl.rollout import Sampler
+from jaxrl.rollout.continuous import EngineConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step import create_train_state
@@ -17,6 +20,7 @@ from jaxrl.step.asynchronous import AsyncStep
 from tests.step.test_builder import BASE, CONFIG, OPTIM, REWARDS, SAMPLER, _inputs, _params, _run
 
 STEPS = 3
+ENGINE = dataclasses.replace(SAMPLER, engine=EngineConfig(page_size=4))
 
 
 @functools.cache
@@ -24,22 +28,22 @@ def _sync():
     return _run(BASE, steps=STEPS)
 
 
-def _async(max_staleness):
+def _async(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False, steps=STEPS):
     rollout_devices, train_devices = split_devices(4)
     train_layout, rollout_layout = load_layout("fsdp"), load_layout("fsdp_tp")
     train_mesh = make_mesh(train_layout, train_devices)
     rollout_mesh = make_mesh(rollout_layout, rollout_devices)
-    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM, train_mesh,
+    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), optim, train_mesh,
                             train_layout.train_rules)
     graphdef, state = nnx.split(ts)
-    sampler = Sampler(nnx.graphdef(ts.model), SAMPLER, mesh=rollout_mesh,
+    sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=rollout_mesh,
                       rules=rollout_layout.rollout_rules)
-    step = AsyncStep(BASE, graphdef, sampler, REWARDS, optim=OPTIM,
+    step = AsyncStep(BASE, graphdef, sampler, REWARDS, optim=optim,
                      train=(train_mesh, train_layout.train_rules),
                      rollout=(rollout_mesh, rollout_layout.rollout_rules),
-                     max_staleness=max_staleness)
+                     max_staleness=max_staleness, inflight_updates=inflight)
     history, params = [], []
-    for n in range(STEPS):
+    for n in range(steps):
         state, out = step(state, n, _inputs)
         history.append(jax.device_get(out.metrics))
         params.append(_params(nnx.merge(graphdef, state)))
@@ -74,3 +78,36 @@ def test_staleness_one_trains_each_batch_on_weights_one_update_old():
         assert abs(h["tis/weight_mean"] - 1) > 1e-4 and np.isfinite(h["loss/policy"])
     with pytest.raises(ValueError, match="called for step 5, but its queue starts at 3"):
         step(None, 5, _inputs)
+
+
+def test_inflight_updates_with_unchanged_weights_give_the_one_piece_batches():
+    """lr 1e-30 leaves every weight as it was: generating a batch in pieces, each piece with
+    the weights of its step, then gives the batches made in one piece."""
+    frozen = dataclasses.replace(OPTIM, lr=1e-30)
+    want_params, want, _ = _async(2, ENGINE, frozen, steps=4)
+    got_params, got, step = _async(2, ENGINE, frozen, inflight=True, steps=4)
+    jax.tree.map(np.testing.assert_array_equal, got_params[-1], want_params[0])
+    for g, w in zip(got, want, strict=True):
+        for name, value in w.items():
+            if not name.startswith("async/staleness"):
+                np.testing.assert_allclose(g[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    # Batches 0 and 1 are made at call 0 in one piece; 2 and 3 in two pieces, the second
+    # with the next step's weights: per token, 2 or 1 updates old at training.
+    assert [h["async/staleness_max"] for h in got] == [0, 1, 2, 2]
+    assert [h["async/staleness_mean"] for h in got][:2] == [0, 1]
+    assert all(1 < h["async/staleness_mean"] < 2 for h in got[2:])
+    assert step.piece_steps == 3
+
+
+def test_inflight_updates_keep_one_batch_in_flight_and_train_on_mixed_versions():
+    _, history, step = _async(2, ENGINE, inflight=True, steps=4)
+    # After call 3: batch 4 finished (its last piece ran at call 3), batch 5 in flight.
+    assert [(p.step, p.made) for p in step.queue] == [(4, True), (5, False)]
+    versions = np.asarray(step.queue[0].version_BxC)
+    mask = np.asarray(step.queue[0].rollout.completion_mask_BxC)
+    assert set(np.unique(versions[mask])) <= {2, 3} and 3 in versions[mask]
+    assert np.all(versions[~mask] == -1)
+    for h in history[1:]:  # the sampler's weights were older than the trained ones
+        assert abs(h["tis/weight_mean"] - 1) > 1e-4 and np.isfinite(h["loss/policy"])
+    with pytest.raises(ValueError, match="inflight_updates needs max_staleness >= 2"):
+        _async(1, ENGINE, inflight=True, steps=0)
