@@ -1,7 +1,7 @@
 """The asynchronous mode's phase times on 8 CPU devices, staleness 0/1/2 beside the fused step.
 
     python benchmarks/async_phases.py [--steps 60] [--staleness 0 1 2] [--rollout-devices 4]
-        [--rounds 1] [--json]
+        [--inflight] [--rounds 1] [--json]
 
 Runs `jaxrl train configs/quickstart.yaml` for `--steps` steps with phase stamps on
 (perf.phase_times=true), one run after the other on this machine: the fused step over all 8
@@ -18,7 +18,9 @@ and queue fill) of:
     rollout_wait_s  time/rollout_wait_s: rollout devices idle between two batches
     train_wait_s    time/train_wait_s: train devices idle between two updates
 
-and the 8-device fused step's median over each run's (speedup). `--rounds R` runs the whole
+and the 8-device fused step's median over each run's (speedup), and the mean staleness of
+the tokens trained (`async/staleness_mean`). `--inflight` adds, for each k >= 2, the run with
+in-flight weight updates (rollout.inflight_updates=true). `--rounds R` runs the whole
 sequence R times, interleaved, and reports the median over the rounds (and the range of
 step_s): on a shared machine one run's median moves by 2x between sittings. `--json` prints one JSON object
 per run. The 8 devices are XLA's host-platform devices sharing this machine's cores: the two
@@ -61,6 +63,8 @@ def run(name: str, overrides: list[str], steps: int, run_dir: Path, devices: int
     for key in NAMES:
         values = [r[f"time/{key}"] for r in records if f"time/{key}" in r]
         out[key] = float(np.median(values)) if values else None
+    stale = [r["async/staleness_mean"] for r in records if "async/staleness_mean" in r]
+    out["staleness"] = float(np.mean(stale)) if stale else None
     return out
 
 
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rollout-devices", type=int, default=4)
+    parser.add_argument("--inflight", action="store_true")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -79,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         (f"async k={k} ({args.rollout_devices}+{train})",
          ["algo.mode=async", f"sharding.rollout_devices={args.rollout_devices}",
           f"algo.max_staleness={k}"], 8) for k in args.staleness]
+    if args.inflight:
+        runs += [(f"async k={k} in-flight",
+                  ["algo.mode=async", f"sharding.rollout_devices={args.rollout_devices}",
+                   f"algo.max_staleness={k}", "rollout.inflight_updates=true"], 8)
+                 for k in args.staleness if k >= 2]
     rounds: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):  # interleaved: machine noise hits every run alike
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         merged = {"run": name, "rounds": args.rounds,
                   "step_s_range": [min(r["step_s"] for r in per_round),
                                    max(r["step_s"] for r in per_round)]}
-        for key in NAMES:
+        for key in (*NAMES, "staleness"):
             values = [r[key] for r in per_round if r[key] is not None]
             merged[key] = float(np.median(values)) if values else None
         results.append(merged)
@@ -101,12 +111,14 @@ def main(argv: list[str] | None = None) -> None:
         for r in results:
             print(json.dumps(r))
         return
-    print(f"{'run':<22}" + "".join(f"{n:>16}" for n in (*NAMES, "speedup")) + "  step_s range")
+    print(f"{'run':<22}" + "".join(f"{n:>16}" for n in (*NAMES, "speedup", "staleness"))
+          + "  step_s range")
     for r in results:
         cells = [("-" if r[n] is None else f"{r[n] * 1e3:.1f} ms") for n in NAMES]
+        stale = "-" if r["staleness"] is None else f"{r['staleness']:.2f}"
         low, high = r["step_s_range"]
         print(f"{r['run']:<22}" + "".join(f"{c:>16}" for c in cells) + f"{r['speedup']:>16.2f}"
-              f"  {low * 1e3:.0f}-{high * 1e3:.0f} ms")
+              f"{stale:>16}  {low * 1e3:.0f}-{high * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

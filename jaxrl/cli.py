@@ -233,6 +233,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return status
 
 
+OUR_NOTES = ("async:",)  # how the notes jaxrl adds to an exception begin
+
+
 def _describe(e: BaseException) -> tuple[int | None, str]:
     """(exit status, console message) of a command's failure; (None, "") for an exception
     that is not one (SystemExit)."""
@@ -245,7 +248,11 @@ def _describe(e: BaseException) -> tuple[int | None, str]:
         return EXIT_INTERRUPTED, "[bold yellow]interrupted[/] (Ctrl-C)"
     if not isinstance(e, Exception):
         return None, ""
-    message = escape(str(e))
+    # jaxrl's notes say where the error arose (the asynchronous step's side): part of the
+    # message; others (JAX's on its filtered traceback) are not.
+    notes = [n for n in getattr(e, "__notes__", []) if n.startswith(OUR_NOTES)]
+    text = "; ".join([str(e).strip(), *notes])
+    message = escape(text)
     if isinstance(e, ConfigError):
         return EXIT_CONFIG_ERROR, f"[bold red]config error[/]: {message}"
     if isinstance(e, FileNotFoundError | LayoutError | UnsupportedModelError | CheckpointError
@@ -270,7 +277,7 @@ def _describe(e: BaseException) -> tuple[int | None, str]:
                                       f"run the same command again (a run resumes from its "
                                       f"last checkpoint)")
     return EXIT_TRAINING_FAILED, (f"[bold red]error[/]: {type(e).__name__}: "
-                                  f"{escape(str(e).strip()[:2000])} (rerun with --debug or "
+                                  f"{escape(text[:2000])} (rerun with --debug or "
                                   f"{DEBUG_ENV}=1 for the traceback)")
 
 

@@ -78,10 +78,20 @@ def _failing(monkeypatch, error: BaseException) -> None:
     monkeypatch.setitem(cli.COMMANDS, "check", (run, "fails"))
 
 
+def _noted(error, note):
+    error.add_note(note)
+    return error
+
+
 @pytest.mark.parametrize("error, status, words", [
     (RuntimeError("boom in user code"), 1,
      ["error: RuntimeError: boom in user code", "--debug or JAXRL_DEBUG=1"]),
     (KeyboardInterrupt(), 130, ["interrupted (Ctrl-C)"]),
+    # The asynchronous step notes which side failed (jaxrl.step.asynchronous).
+    (_noted(_noted(ZeroDivisionError("reward of an empty answer"), "-----\nJAX's note"),
+            "async: the train side failed at step 3; the rollout side stops too"), 1,
+     ["error: ZeroDivisionError: reward of an empty answer; async: the train side failed at "
+      "step 3; the rollout side stops too (rerun with --debug"]),
     (OSError(28, "No space left on device", "/runs/x/metrics.jsonl"), 1,
      ["the disk is full", "/runs/x/metrics.jsonl", "resumes from its last checkpoint"]),
     (PermissionError(13, "Permission denied", "/runs/x"), 2,

@@ -24,6 +24,15 @@ train n), and gives the synchronous step's numbers (tested). `batch_of(m)` is ca
 batch, in order m = 0, 1, ... (from the step the queue was made at), k batches ahead of
 training: a curriculum must see results k steps later than in the synchronous modes.
 
+In-flight weight updates (`inflight_updates`, k >= 2; PipelineRL): batch m is generated in
+pieces, one at each call from max(m - k, 0) to max(m - 1, 0), each by the weights synced at
+that call (`jaxrl.rollout.inflight`): a piece but the last decodes `piece_steps` =
+ceil(max_new_tokens / k) iterations, the last runs to the end and finishes the rollout one
+call before it is trained. Three programs replace generate: *start* (prefill and the first
+piece), *resume* (a piece, the rollout in progress donated) and *finish* (the rollout and
+its reward inputs). Each token keeps the version that drew it, so the staleness metrics are
+over tokens, and its behaviour log-prob is under those very weights.
+
 The behaviour log-probs are the sampler's (`Rollout.logp_raw_BxC`); how the loss weighs the
 proximal (trainer) against the behaviour (sampler) policy is `loss.correction`.
 
@@ -34,8 +43,8 @@ the weights that generated the batch and the weights it trains), `async/weight_s
 `time/weight_sync_s`, and the generate program stamps `start` / `generated` of each batch
 (`jaxrl.step.clock.async_times`: the queue waits of each side).
 
-The queue of made-but-untrained batches is `pending()` / `resume_with(...)` (checkpoints:
-`jaxrl.run.async_queue`).
+The queue of made-but-untrained batches (with in-flight updates, some still in flight) is
+`pending()` / `resume_with(...)` (checkpoints: `jaxrl.run.async_queue`).
 """
 
 from __future__ import annotations
@@ -203,7 +212,7 @@ class AsyncStep:
             return
         prompts, fields_P, rows_P, key = batch
         partial = self._compiled.get("start", self._start)(
-            params, prompts, key, jnp.int32(version), self._stop_at(step, version))
+            params, prompts, key, np.int32(version), self._stop_at(step, version))
         self.queue.append(Produced(step, version, None, None,
                                    partial=(partial, fields_P, rows_P)))
         self._finish_if_due(self.queue[-1], version)
@@ -217,9 +226,9 @@ class AsyncStep:
         """Decode iterations batch `step` has run in all after its piece at call `call`:
         `piece_steps` per call since its first, unbounded at its last."""
         if call >= self._last_piece_call(step):
-            return jnp.int32(np.iinfo(np.int32).max)
+            return np.int32(np.iinfo(np.int32).max)
         first = max(step - self.max_staleness, 0)
-        return jnp.int32((call - first + 1) * self.piece_steps)
+        return np.int32((call - first + 1) * self.piece_steps)
 
     def _finish_if_due(self, entry: Produced, call: int) -> None:
         if call >= self._last_piece_call(entry.step):
@@ -235,7 +244,7 @@ class AsyncStep:
                 continue
             partial, fields_P, rows_P = entry.partial
             partial = self._compiled.get("resume", self._resume)(
-                params, partial, jnp.int32(call), self._stop_at(entry.step, call))
+                params, partial, np.int32(call), self._stop_at(entry.step, call))
             entry.partial = (partial, fields_P, rows_P)
             self._finish_if_due(entry, call)
 
@@ -247,18 +256,31 @@ class AsyncStep:
                              f"{self.queue[0].step if self.queue else self.next_step}")
         if not self.queue:
             self.next_step = step
-        params = self.sync(state)  # `step` updates applied so far (one per step)
-        if self.inflight:
-            self.advance_pieces(params, step)
-        while self.next_step <= step + self.max_staleness:
-            self.produce(params, self.next_step, step, batch_of(self.next_step))
-            self.next_step += 1
+        try:
+            params = self.sync(state)  # `step` updates applied so far (one per step)
+            if self.inflight:
+                self.advance_pieces(params, step)
+            while self.next_step <= step + self.max_staleness:
+                self.produce(params, self.next_step, step, batch_of(self.next_step))
+                self.next_step += 1
+        except Exception as e:
+            e.add_note(f"async: the rollout side failed at step {step} (making batch "
+                       f"{self.next_step}); the train side stops too, its last update was "
+                       f"step {step - 1}'s")
+            raise
         made = self.queue.popleft()
-        rollout, inputs = self._on(self.mesh, self.rules, (made.rollout, made.inputs))
-        host_values = (score_host_rows(self.rewards, inputs, self.mesh)
-                       if self.rewards.python_rewards else None)
-        state, out = self._compiled.get("train", self.trainer._train)(
-            state, rollout, inputs, host_values, ref_params)
+        try:
+            rollout, inputs = self._on(self.mesh, self.rules, (made.rollout, made.inputs))
+            host_values = (score_host_rows(self.rewards, inputs, self.mesh)
+                           if self.rewards.python_rewards else None)
+            state, out = self._compiled.get("train", self.trainer._train)(
+                state, rollout, inputs, host_values, ref_params)
+        except Exception as e:
+            ahead = [p.step for p in self.queue]
+            e.add_note(f"async: the train side failed at step {step}; the rollout side stops "
+                       f"too" + (f", its batches made ahead (steps {ahead[0]}..{ahead[-1]}) "
+                                 f"untrained" if ahead else ""))
+            raise
         if made.version_BxC is None:
             mean = top = float(step - made.version)
         else:  # per token: the version that drew it

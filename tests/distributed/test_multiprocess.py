@@ -247,16 +247,21 @@ def test_sigterm_to_the_launcher_stops_every_process_after_one_step_with_a_check
     assert summary["stopped_by"] == "SIGTERM" and summary["checkpoint_step"] == steps
 
 
-def test_async_mode_over_two_processes_gives_the_metrics_of_one(tmp_path):
+@pytest.mark.parametrize(("settings", "staleness"), [
+    (["algo.max_staleness=1"], [0, 1, 1]),
+    (["algo.max_staleness=2", "rollout.inflight_updates=true"], [0, 1, 2]),
+], ids=["k1", "k2-inflight"])
+def test_async_mode_over_two_processes_gives_the_metrics_of_one(tmp_path, settings, staleness):
     """algo.mode=async with both sub-meshes spanning the 2 processes (each gives one of its
     two devices to each side): the weights and batches move between the meshes process by
-    process (`jaxrl.sharding.submeshes.move`), and the metrics equal one process's."""
-    run = ["algo.mode=async", "sharding.rollout_devices=2", "algo.max_staleness=1",
+    process (`jaxrl.sharding.submeshes.move`), and the metrics equal one process's; with
+    in-flight weight updates too (the rollouts in progress stay on the rollout mesh)."""
+    run = ["algo.mode=async", "sharding.rollout_devices=2", *settings,
            "algo.loss.tis_cap=2.0", "algo.num_minibatches=1", "train.save_final=false"]
     one, two = (_launch(n, tmp_path / f"run{n}", *run, env=SMALL) for n in (1, 2))
     _finish(one)
     err = _finish(two)
     assert "2 rollout devices" in err and "over 2 processes" in err
     got, want = _metrics(tmp_path / "run2"), _metrics(tmp_path / "run1")
-    assert [r["async/staleness_max"] for r in got] == [0, 1, 1]
+    assert [r["async/staleness_max"] for r in got] == staleness
     assert got == want

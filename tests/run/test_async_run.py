@@ -111,6 +111,37 @@ def test_sigkill_then_resume_gives_the_uninterrupted_async_metrics(tmp_path):
     assert Checkpoints(tmp_path / "killed").steps()[-1] == 20
 
 
+INFLIGHT = [*ASYNC, "algo.max_staleness=2", "rollout.inflight_updates=true",
+            "algo.loss.tis_cap=2.0"]
+
+
+def test_inflight_updates_resume_with_a_batch_in_flight_to_the_uninterrupted_metrics(tmp_path):
+    """A run stopped after step 5 checkpoints batch 5 (finished) and batch 6 (its first
+    piece decoded: KV pool, slots, tokens and their versions); the resumed run decodes batch
+    6's last piece and trains both as the uninterrupted run does, bit for bit."""
+    want = _train(tmp_path, "reference", "train.max_steps=8", *INFLIGHT)
+    _train(tmp_path, "cut", "train.max_steps=5", *INFLIGHT)
+    meta = Checkpoints(tmp_path / "cut").restore_queue(5, None)[1]
+    assert [(p["step"], p["made"]) for p in meta["pending"]] == [(5, True), (6, False)]
+    got = _train(tmp_path, "cut", "train.max_steps=8", *INFLIGHT)
+    assert [r["step"] for r in got] == list(range(8))
+    assert _without_timing(got) == _without_timing(want)
+    assert [r["async/staleness_max"] for r in got] == [0, 1, 2, 2, 2, 2, 2, 2]
+    assert all(1 < r["async/staleness_mean"] < 2 for r in got[2:])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.inflight_updates=true"],
+    ["rollout.inflight_updates=true", *ASYNC, "algo.max_staleness=1"],
+])
+def test_inflight_updates_need_async_with_staleness_two_or_more(overrides):
+    with pytest.raises(ConfigError, match="rollout.inflight_updates=true needs "
+                                          "algo.mode=async with algo.max_staleness >= 2"):
+        load_config(ExperimentConfig, QUICKSTART, overrides)
+    with pytest.raises(ConfigError, match="rollout.min_slots=4; expected null"):
+        load_config(ExperimentConfig, QUICKSTART, [*INFLIGHT, "rollout.min_slots=4"])
+
+
 @pytest.mark.parametrize(("value", "shown"), [("1.5", "1.5"), ("-1", "-1"), ("0", "0")])
 def test_rollout_devices_must_be_a_count_or_a_fraction(value, shown):
     with pytest.raises(ConfigError, match=rf"sharding.rollout_devices must be a device count "

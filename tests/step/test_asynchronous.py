@@ -11,13 +11,24 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Transformer
+from jaxrl.rl import JaxReward, RewardSet
 from jaxrl.rollout import Sampler
 from jaxrl.rollout.continuous import EngineConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step import create_train_state
 from jaxrl.step.asynchronous import AsyncStep
-from tests.step.test_builder import BASE, CONFIG, OPTIM, REWARDS, SAMPLER, _inputs, _params, _run
+from tests.step.test_builder import (
+    BASE,
+    CONFIG,
+    OPTIM,
+    REWARDS,
+    SAMPLER,
+    _decode,
+    _inputs,
+    _params,
+    _run,
+)
 
 STEPS = 3
 ENGINE = dataclasses.replace(SAMPLER, engine=EngineConfig(page_size=4))
@@ -28,7 +39,9 @@ def _sync():
     return _run(BASE, steps=STEPS)
 
 
-def _async(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False, steps=STEPS):
+def _build(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False,
+           rewards=REWARDS):
+    """(AsyncStep on 4 rollout + 4 train devices, its initial state, the graphdef)."""
     rollout_devices, train_devices = split_devices(4)
     train_layout, rollout_layout = load_layout("fsdp"), load_layout("fsdp_tp")
     train_mesh = make_mesh(train_layout, train_devices)
@@ -38,10 +51,15 @@ def _async(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False, s
     graphdef, state = nnx.split(ts)
     sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=rollout_mesh,
                       rules=rollout_layout.rollout_rules)
-    step = AsyncStep(BASE, graphdef, sampler, REWARDS, optim=optim,
+    step = AsyncStep(BASE, graphdef, sampler, rewards, optim=optim,
                      train=(train_mesh, train_layout.train_rules),
                      rollout=(rollout_mesh, rollout_layout.rollout_rules),
                      max_staleness=max_staleness, inflight_updates=inflight)
+    return step, state, graphdef
+
+
+def _async(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False, steps=STEPS):
+    step, state, graphdef = _build(max_staleness, sampler_config, optim, inflight)
     history, params = [], []
     for n in range(steps):
         state, out = step(state, n, _inputs)
@@ -111,3 +129,30 @@ def test_inflight_updates_keep_one_batch_in_flight_and_train_on_mixed_versions()
         assert abs(h["tis/weight_mean"] - 1) > 1e-4 and np.isfinite(h["loss/policy"])
     with pytest.raises(ValueError, match="inflight_updates needs max_staleness >= 2"):
         _async(1, ENGINE, inflight=True, steps=0)
+
+
+def test_a_failure_on_either_side_says_which_side_and_stops_the_step():
+    step, state, _ = _build(1)
+
+    def batch_of(m):  # the rollout side's input fails for batch 2 (made at call 1)
+        if m == 2:
+            raise OSError("prompt file vanished")
+        return _inputs(m)
+
+    state, _ = step(state, 0, batch_of)
+    with pytest.raises(OSError, match="prompt file vanished") as failed:
+        step(state, 1, batch_of)
+    assert failed.value.__notes__ == [
+        "async: the rollout side failed at step 1 (making batch 2); the train side stops "
+        "too, its last update was step 0's"]
+
+    def broken(inputs):  # an in-graph reward with a bug: the train program fails to build
+        raise KeyError("answer")
+
+    step, state, _ = _build(2, rewards=RewardSet([JaxReward("broken", broken)],
+                                                 decode=_decode))
+    with pytest.raises(KeyError, match="answer") as failed:
+        step(state, 0, _inputs)
+    assert failed.value.__notes__[-1:] == [  # after JAX's note on its filtered traceback
+        "async: the train side failed at step 0; the rollout side stops too, its batches "
+        "made ahead (steps 1..2) untrained"]
