@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxrl.config import ConfigError, ExperimentConfig, load_config
+from jaxrl.config import ConfigError, ExperimentConfig, RunDirError, load_config
 from jaxrl.run import loop
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
@@ -123,6 +123,10 @@ def test_inflight_updates_resume_with_a_batch_in_flight_to_the_uninterrupted_met
     _train(tmp_path, "cut", "train.max_steps=5", *INFLIGHT)
     meta = Checkpoints(tmp_path / "cut").restore_queue(5, None)[1]
     assert [(p["step"], p["made"]) for p in meta["pending"]] == [(5, True), (6, False)]
+    plain = [o for o in INFLIGHT if not o.startswith("rollout.inflight")]
+    with pytest.raises(RunDirError, match=re.escape(  # the batch in flight needs it
+            "another experiment (rollout.inflight_updates: True -> False)")):
+        _train(tmp_path, "cut", "train.max_steps=8", *plain)
     got = _train(tmp_path, "cut", "train.max_steps=8", *INFLIGHT)
     assert [r["step"] for r in got] == list(range(8))
     assert _without_timing(got) == _without_timing(want)
