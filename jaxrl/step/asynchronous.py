@@ -64,39 +64,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config import AlgoSection, OptimSection
-from jaxrl.rl import RewardInputs, RewardSet
-from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.rl import RewardSet
+from jaxrl.rollout import Prompts, Sampler
 from jaxrl.rollout.inflight import Partial, partial_shardings
 from jaxrl.sharding import AxisRules, state_shardings
 from jaxrl.sharding.submeshes import move
+from jaxrl.step.async_batches import Batch, Produced, token_staleness
 from jaxrl.step.builder import Step, StepOutput, score_host_rows
 from jaxrl.step.phases import generate, reward_inputs
-
-Batch = tuple[Prompts, dict[str, jax.Array], jax.Array, jax.Array]  # prompts, fields, rows, key
-
-
-@dataclasses.dataclass
-class Produced:
-    """A rollout dispatched on the rollout mesh, with the weight version it was started from.
-    With in-flight updates it is first a `Partial` (with its batch's fields and rows) and
-    then, once finished, a rollout with each token's weight version (`version_BxC`)."""
-
-    step: int
-    version: int
-    rollout: Rollout | None
-    inputs: RewardInputs | None
-    version_BxC: jax.Array | None = None
-    partial: tuple[Partial, dict[str, jax.Array], jax.Array] | None = None
-
-    @property
-    def made(self) -> bool:
-        """Whether the rollout is finished (else `partial` holds it in flight)."""
-        return self.rollout is not None
-
-    def saved(self) -> Any:
-        """The arrays a checkpoint keeps of it: (rollout, inputs, version_BxC) when made,
-        else (partial, fields_P, rows_P)."""
-        return (self.rollout, self.inputs, self.version_BxC) if self.made else self.partial
 
 
 class AsyncStep:
@@ -284,7 +259,7 @@ class AsyncStep:
         if made.version_BxC is None:
             mean = top = float(step - made.version)
         else:  # per token: the version that drew it
-            mean, top = _token_staleness(made.version_BxC, made.rollout.completion_mask_BxC,
+            mean, top = token_staleness(made.version_BxC, made.rollout.completion_mask_BxC,
                                          step)
         out.metrics.update({"async/staleness_mean": mean, "async/staleness_max": top,
                             "async/weight_sync_bytes": float(self.sync_bytes)})
@@ -404,12 +379,3 @@ class AsyncStep:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             tree, shardings)
 
-
-@jax.jit
-def _token_staleness(version_BxC: jax.Array, mask_BxC: jax.Array, step: int
-                     ) -> tuple[jax.Array, jax.Array]:
-    """(mean, max) over the rollout's tokens of the updates between the weights that drew
-    each token and those it trains (`step` updates)."""
-    stale_BxC = (step - version_BxC).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(mask_BxC, stale_BxC, 0)) / jnp.maximum(jnp.sum(mask_BxC), 1)
-    return mean, jnp.max(jnp.where(mask_BxC, stale_BxC, 0))
