@@ -123,6 +123,19 @@ def _eval_options(parser: argparse.ArgumentParser) -> None:
                         help="evaluate this checkpoint's step (default: the latest)")
 
 
+def _serve(args: argparse.Namespace, console: Console) -> int:
+    from jaxrl.commands.serve import run_serve
+
+    _, cfg = _experiment(args, console)
+    _emit(run_serve(cfg, console, step=args.step))
+    return 0
+
+
+def _serve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step", type=int, default=None,
+                        help="serve this checkpoint's step of train.run_dir (default: the latest)")
+
+
 def _export(args: argparse.Namespace, console: Console) -> int:
     from jaxrl.commands.export import run_export
 
@@ -153,8 +166,10 @@ COMMANDS = {
     "bench": (_bench, "time the RL step of a config: tokens/s, MFU, HFU, time split, memory"),
     "eval": (_eval, "evaluate a run's policy on held-out prompts: reward, exact match, pass@k"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory"),
+    "serve": (_serve, "serve a policy over gRPC with JetStream (the jetstream extra)"),
 }
-OPTIONS = {"bench": _bench_options, "eval": _eval_options, "export": _export_options}
+OPTIONS = {"bench": _bench_options, "eval": _eval_options, "export": _export_options,
+           "serve": _serve_options}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,11 +22,12 @@ from jaxrl.config.model import (
 )
 from jaxrl.config.run import DistributedSection, LogSection, PerfSection, TrainSection
 from jaxrl.config.sampling import EvalSection, RolloutSection, SamplingSection
+from jaxrl.config.serve import ServeSection
 
 __all__ = [
     "AlgoSection", "ConfigError", "DType", "DataSection", "DistributedSection", "EvalSection",
     "ExperimentConfig", "Family", "InitSection", "LogSection", "ModelSection", "OptimSection",
-    "PerfSection", "RolloutSection", "RunDirError", "SamplingSection", "ShardingSection",
+    "PerfSection", "RolloutSection", "RunDirError", "SamplingSection", "ServeSection", "ShardingSection",
     "TrainModelSection", "TrainSection", "fail", "load_config", "require_at_least",
     "shipped_config", "to_yaml",
 ]

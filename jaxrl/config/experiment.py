@@ -1,4 +1,4 @@
-"""The experiment config of `jaxrl train`, `bench` and `eval`: one frozen dataclass per section.
+"""The experiment config of `jaxrl train`, `bench`, `eval` and `serve`: one frozen dataclass per section.
 
     model        which policy: a local HF directory, or (path: null) a random one of `model.init`
     sharding     the layout preset (mesh shape + rule sets), `auto` by default
@@ -8,6 +8,7 @@
     data         the task (prompts + verifier rewards) and how prompts are batched
     train        run directory, steps, seed, saving
     eval         held-out evaluation: prompts, samples per prompt, pass@k, how often
+    serve        `jaxrl serve`: address, slots, request limits, the server's sampling
     log          TensorBoard, the reward plot, progress lines
     perf         peak FLOP/s and memory limit overrides, FLOP counting on/off
     distributed  joining a run of several processes (hosts): coordinator, count, id
@@ -26,6 +27,7 @@ from jaxrl.config.data import DataSection
 from jaxrl.config.model import ShardingSection, TrainModelSection
 from jaxrl.config.run import DistributedSection, LogSection, PerfSection, TrainSection
 from jaxrl.config.sampling import EvalSection, RolloutSection
+from jaxrl.config.serve import ServeSection
 from jaxrl.rl.advantages import check_group_size
 from jaxrl.rl.shaping import check_overlong
 
@@ -42,6 +44,7 @@ class ExperimentConfig:
     data: DataSection = dataclasses.field(default_factory=DataSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    serve: ServeSection = dataclasses.field(default_factory=ServeSection)
     log: LogSection = dataclasses.field(default_factory=LogSection)
     perf: PerfSection = dataclasses.field(default_factory=PerfSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)

@@ -1,0 +1,170 @@
+"""`jaxrl serve CONFIG [overrides] [--step N]`: serve a policy with JetStream over gRPC.
+
+    policy   checkpoint N (newest without --step) of train.run_dir when it has checkpoints,
+             else its final_model/, else model.path; on the mesh of sharding.layout
+    slots    serve.max_slots, or as many as fit in serve.memory_fraction of a device
+    server   JetStream's orchestrator and gRPC service on serve.host:serve.port
+             (`jaxrl.serve.server`), every program compiled first (serve.warmup)
+    prints   "serving on HOST:PORT" (stderr) once it answers, then serves until SIGTERM or
+             SIGINT: new requests are refused, those in flight finish (serve.drain_timeout_s),
+             the command returns its JSON line with exit 0
+
+Needs the extra: `pip install 'jaxrl[jetstream]'`; without it, exit 2 saying so.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.data.tokenizer import load_tokenizer, stop_token_ids
+from jaxrl.models import from_pretrained
+from jaxrl.perf.memory import MemoryFitError, device_memory, format_bytes
+from jaxrl.rollout import serving
+from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.run.run_dir import FINAL_MODEL_DIR
+from jaxrl.run.saved_policy import load_run_policy
+from jaxrl.sharding import make_mesh, resolve_layout
+
+
+def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = None,
+              stop: threading.Event | None = None) -> dict[str, Any]:
+    """Serves until SIGTERM / SIGINT (or `stop` is set); returns the JSON summary."""
+    try:
+        from jaxrl.serve.engine import EngineSpec, JetStreamEngine
+        from jaxrl.serve.server import Server
+    except ImportError as e:  # jaxrl.serve.jetstream's message says how to install it
+        raise ConfigError(str(e)) from None
+    serve = cfg.serve
+    layout = resolve_layout(cfg.sharding.layout)
+    mesh = make_mesh(layout)
+    model, model_dir, source = _policy(cfg, step, mesh, layout.rollout_rules)
+    tokenizer = load_tokenizer(model_dir)
+    graphdef, params = nnx.split(model)
+    slots = _slots(cfg, model.config, params)
+    spec = EngineSpec(
+        layout=serving.ServeLayout(slots, serve.max_prefill_length, serve.max_new_tokens,
+                                   cfg.rollout.page_size),
+        sampling=serve.sampling_params(),
+        stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
+            tokenizer, model.config, cfg.rollout.stop_token_ids),
+        tokenizer_dir=str(model_dir), chat_template=serve.chat_template,
+        buckets=serve.prefill_buckets(), attention=cfg.rollout.attention,
+        dtype=model.config.param_dtype, compute_dtype=model.config.compute_dtype,
+        seed=serve.seed)
+    engine = JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=layout.rollout_rules)
+    params = engine.load_params()
+    console.print(f"[bold]serve[/]: {source} on mesh {dict(mesh.shape)}, {slots} slots, "
+                  f"prompts up to {serve.max_prefill_length} tokens, up to "
+                  f"{serve.max_new_tokens} new tokens, stop ids {list(spec.stop_token_ids)}")
+    if serve.warmup:
+        start = time.perf_counter()
+        engine.warmup()
+        console.print(f"compiled {len(spec.buckets)} prefill buckets {list(spec.buckets)}, "
+                      f"insert and generate in {time.perf_counter() - start:.1f}s")
+    stop = stop or threading.Event()
+    caught = _on_signals(stop)
+    try:
+        server = Server(engine, params, host=serve.host, port=serve.port,
+                        max_new_tokens=serve.max_new_tokens, threads=serve.threads)
+        server.start()
+        address = f"{serve.host}:{server.port}"
+        console.print(f"[bold green]serving on {address}[/] (JetStream gRPC; SIGTERM or "
+                      f"Ctrl-C drains and stops)")
+        started = time.perf_counter()
+        stop.wait()
+        console.print(f"[bold]serve[/]: {caught.get('name', 'stop')} received: draining "
+                      f"(up to {serve.drain_timeout_s:g}s)")
+        server.drain(serve.drain_timeout_s)
+    finally:
+        _restore(caught)
+    console.print("[bold]serve[/]: stopped")
+    return {"address": address, "port": server.port, "slots": slots, "policy": source,
+            "served_s": round(time.perf_counter() - started, 3)}
+
+
+def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
+    """(model, its tokenizer's directory, a description) by the module docstring's order."""
+    run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else None
+    if run_dir is not None and (run_dir / "checkpoints").is_dir():
+        checkpoints = Checkpoints(run_dir, async_save=False)
+        try:
+            has_steps = bool(checkpoints.steps())
+        finally:
+            checkpoints.close()
+        if has_steps:
+            restored, model, model_dir = load_run_policy(run_dir, step)
+            return model, model_dir, f"checkpoint of step {restored} of {run_dir}"
+    if step is not None:
+        raise ConfigError(f"--step {step} needs train.run_dir to hold checkpoints, got "
+                          f"train.run_dir={cfg.train.run_dir}")
+    if run_dir is not None and (run_dir / FINAL_MODEL_DIR / "config.json").is_file():
+        path = run_dir / FINAL_MODEL_DIR
+    elif cfg.model.path:
+        path = Path(cfg.model.path)
+    else:
+        raise ConfigError("jaxrl serve needs a policy: model.path=an HF model directory, or "
+                          "train.run_dir=a run directory with checkpoints or final_model/")
+    m = cfg.model
+    model = from_pretrained(path, dtype=m.dtype, compute_dtype=m.compute_dtype, mesh=mesh,
+                            rules=rules, scan_layers=m.scan_layers,
+                            attention_impl=m.attention_impl)
+    return model, path, str(path)
+
+
+def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
+    """serve.max_slots, or what fits beside the weights (one device's share of them)."""
+    serve = cfg.serve
+    if serve.max_slots is not None:
+        return serve.max_slots
+    if cfg.perf.memory_limit_gib is not None:
+        memory, where = int(cfg.perf.memory_limit_gib * 2**30), "perf.memory_limit_gib"
+    else:
+        memory, where = device_memory()
+    device = jax.local_devices()[0]
+    scale = np.dtype(model_config.compute_dtype).itemsize
+    weights = sum(s.data.nbytes // s.data.dtype.itemsize * scale
+                  for x in jax.tree.leaves(params) for s in x.addressable_shards
+                  if s.device == device)
+    kw = dict(max_prefill_length=serve.max_prefill_length,
+              max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size)
+    slots = serving.slots_that_fit(model_config, memory_bytes=memory, weight_bytes=weights,
+                                   fraction=serve.memory_fraction, **kw)
+    if slots < 1:
+        per_slot = serving.slot_bytes(model_config, **kw)
+        raise MemoryFitError(
+            f"no decode slot fits: {format_bytes(weights)} of weights and "
+            f"{format_bytes(per_slot)} of KV cache per slot against "
+            f"{serve.memory_fraction:g} x {format_bytes(memory)} ({where}); lower "
+            f"serve.max_prefill_length or serve.max_new_tokens, or use more devices", None)
+    return slots
+
+
+def _on_signals(stop: threading.Event) -> dict[str, Any]:
+    """SIGTERM and SIGINT set `stop` (main thread only); what was there before, to restore."""
+    caught: dict[str, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return caught
+
+    def handler(signum, _frame):
+        caught["name"] = signal.Signals(signum).name
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        caught[sig] = signal.signal(sig, handler)
+    return caught
+
+
+def _restore(caught: dict[str, Any]) -> None:
+    for sig, previous in list(caught.items()):
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, previous)

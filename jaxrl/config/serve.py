@@ -1,0 +1,52 @@
+"""The `serve` section: what `jaxrl serve` (JetStream's server over jaxrl's engine) runs with.
+
+Sampling (temperature / top-k / top-p) is the server's own, not training's `rollout`: a
+policy trained at temperature 1 is often served greedy. The KV pool's page size and the
+attention path come from `rollout` (the same engine); the stop tokens too
+(`rollout.stop_token_ids`, `rollout.ignore_eos`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.config.load import fail, require_at_least
+from jaxrl.config.sampling import SamplingSection
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSection(SamplingSection):
+    """`serve`: address, slots, request limits and sampling of `jaxrl serve`."""
+
+    _section = "serve"
+    host: str = "0.0.0.0"
+    port: int = 9000  # 0: any free port (printed)
+    # Decode slots (requests decoded at once); null: as many as fit in memory_fraction of a
+    # device beside the weights (jaxrl.rollout.serving.slots_that_fit, at most 512).
+    max_slots: int | None = None
+    memory_fraction: float = 0.9
+    max_prefill_length: int = 512  # the longest prompt, in tokens; longer ones are refused
+    max_new_tokens: int = 256  # the most a request may ask for (its max_tokens)
+    chat_template: bool = True  # render text prompts with the tokenizer's chat template
+    seed: int = 0  # request i of the server's life samples with fold_in(key(seed), i)
+    drain_timeout_s: float = 60.0  # SIGTERM/SIGINT: how long requests in flight may finish
+    threads: int | None = None  # gRPC handler threads; null: max(slots, 64), as JetStream
+    warmup: bool = True  # compile every program before printing the address
+
+    def __post_init__(self):
+        require_at_least("serve", self, ("port",), 0)
+        require_at_least("serve", self, ("max_slots", "threads"), 1, " or null")
+        require_at_least("serve", self, ("max_prefill_length", "max_new_tokens"))
+        if self.port > 65535:
+            fail("serve", self, "port", "a TCP port in [0, 65535]")
+        if not 0 < self.memory_fraction <= 1:
+            fail("serve", self, "memory_fraction", "in (0, 1]")
+        if not self.drain_timeout_s >= 0:
+            fail("serve", self, "drain_timeout_s", ">= 0 seconds")
+        super().__post_init__()
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The padded prompt lengths (one compiled prefill each): powers of two from 16 below
+        `max_prefill_length`, then it."""
+        buckets = [n for n in (2 ** k for k in range(4, 32)) if n < self.max_prefill_length]
+        return (*buckets, self.max_prefill_length)

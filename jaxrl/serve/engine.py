@@ -1,0 +1,204 @@
+"""jaxrl's engine (`jaxrl.rollout.serving`) as JetStream's `Engine`.
+
+    engine = JetStreamEngine(graphdef, params, spec, mesh=..., rules=...)
+    prefix = engine.prefill(params=p, padded_tokens=ids_L, true_length=n)
+    state  = engine.insert(prefix, engine.init_decode_state(), slot)
+    state, result = engine.generate(p, state)   ResultTokens: [slots, 3] = token, valid, length
+
+Every method is one compiled program (prefill: one per prompt bucket), run on the mesh of
+`sharding.layout` under the rollout rules, with the policy cast to its compute dtype once at
+load. `load_params` reads an HF directory or a run's checkpoint. The prefill and generate
+engines of the server are this one object on the same devices (JetStream's interleaved
+mode): nothing moves between them, so the prefix's destination sharding is where prefill
+left it.
+
+Request i of the engine's life samples with fold_in(key(seed), i) (`jaxrl.rollout.serving`
+draws its token t with fold_in of that, t); greedy decoding uses no key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.models import from_pretrained
+from jaxrl.rollout import serving
+from jaxrl.rollout.continuous import resolve_attention
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.run.run_dir import is_run_dir
+from jaxrl.run.saved_policy import load_run_policy
+from jaxrl.serve.jetstream import engine_api, tokenizer_pb2
+from jaxrl.serve.tokenizer import HFTokenizer
+from jaxrl.sharding import AxisRules, state_shardings, use_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What the engine serves and how: the pool's layout, sampling, stop tokens, the
+    tokenizer's directory and how it renders prompts, the prompt buckets, the attention
+    path, the model's dtypes and the seed of request keys."""
+
+    layout: serving.ServeLayout
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    tokenizer_dir: str
+    chat_template: bool
+    buckets: tuple[int, ...]
+    attention: str = "auto"
+    dtype: str = "float32"
+    compute_dtype: str = "float32"
+    seed: int = 0
+
+
+class JetStreamEngine(engine_api.Engine):
+    """JetStream's Engine over `jaxrl.rollout.serving` (module docstring)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, spec: EngineSpec, *,
+                 mesh: Mesh, rules: AxisRules):
+        self.graphdef, self.spec, self._mesh, self.rules = graphdef, spec, mesh, rules
+        self.model_config = nnx.merge(graphdef, params).config
+        self._params = self._place(params)
+        layout = spec.layout
+        self.attention = resolve_attention(spec.attention, self.model_config, layout,
+                                           layout.num_slots)
+        self._stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
+        self._key = jax.random.key(spec.seed)
+        self._requests = itertools.count()
+        self._lock = threading.Lock()
+        self._prefill = jax.jit(self._prefill_traced)
+        self._insert = jax.jit(self._insert_traced, donate_argnums=1)
+        self._generate = jax.jit(self._generate_traced, donate_argnums=1)
+        self._init = jax.jit(self._init_traced)
+
+    # -- parameters ------------------------------------------------------------------------
+
+    def load_params(self, source: str | Path | None = None, *,
+                    step: int | None = None) -> nnx.State:
+        """The policy's parameters in the rollout layout and compute dtype: those the engine
+        was made with (no `source`), an HF model directory's, or checkpoint `step` (default:
+        the newest) of a run directory's."""
+        if source is None:
+            return self._params
+        source = Path(source)
+        if is_run_dir(source):
+            _, model, _ = load_run_policy(source, step)
+            params = nnx.state(model)
+        else:
+            params = nnx.state(from_pretrained(source, dtype=self.spec.dtype,
+                                               compute_dtype=self.spec.compute_dtype))
+        return self._place(params)
+
+    def _place(self, params: nnx.State) -> nnx.State:
+        dtype = self.model_config.compute_dtype
+        params = jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        return jax.device_put(params, state_shardings(params, self._mesh, self.rules))
+
+    # -- the four calls ----------------------------------------------------------------------
+
+    def prefill(self, *, params: nnx.State, existing_prefix: serving.ServePrefix | None = None,
+                padded_tokens: jax.Array, true_length: int) -> serving.ServePrefix:
+        if existing_prefix is not None:
+            raise NotImplementedError("jaxrl's engine does not extend an existing prefix "
+                                      "(no session cache); send the whole prompt")
+        with self._lock:
+            request = next(self._requests)
+        key = jax.random.fold_in(self._key, request)
+        return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32),
+                             jnp.int32(true_length), key)
+
+    def insert(self, prefix: serving.ServePrefix, decode_state: serving.ServeState,
+               slot: int) -> serving.ServeState:
+        return self._insert(prefix, decode_state, jnp.int32(slot))
+
+    def generate(self, params: nnx.State, decode_state: serving.ServeState
+                 ) -> tuple[serving.ServeState, engine_api.ResultTokens]:
+        state, data_Sx3 = self._generate(params, decode_state)
+        return state, engine_api.ResultTokens(data_Sx3, tokens_idx=(0, 1), valid_idx=(1, 2),
+                                              length_idx=(2, 3), samples_per_slot=1)
+
+    def init_decode_state(self) -> serving.ServeState:
+        return self._init()
+
+    # -- compiled bodies ---------------------------------------------------------------------
+
+    def _model(self, params):
+        return nnx.merge(self.graphdef, params)
+
+    def _prefill_traced(self, params, ids_L, length, key):
+        with use_rules(self._mesh, self.rules):
+            return serving.prefill(self._model(params), ids_L, length, key, self.spec.sampling)
+
+    def _insert_traced(self, prefix, state, slot):
+        with use_rules(self._mesh, self.rules):
+            return serving.insert(state, prefix, slot, self.spec.layout)
+
+    def _generate_traced(self, params, state):
+        with use_rules(self._mesh, self.rules):
+            state, out = serving.generate(self._model(params), state, self.spec.layout,
+                                          self._stop_ids, self.spec.sampling, self.attention)
+        data_Sx3 = jnp.stack([out.token_S, out.valid_S.astype(jnp.int32), out.length_S], axis=1)
+        return state, data_Sx3
+
+    def _init_traced(self):
+        with use_rules(self._mesh, self.rules):
+            return serving.init_state(self.model_config, self.spec.layout, self._key)
+
+    # -- what the orchestrator asks ----------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Compiles every program (each prefill bucket, insert, generate) on throwaway data."""
+        state = self.init_decode_state()
+        for width in self.spec.buckets:
+            prefix = self._prefill(self._params, jnp.zeros((width,), jnp.int32), jnp.int32(1),
+                                   self._key)
+            state = self.insert(prefix, state, 0)
+        state, result = self.generate(self._params, state)
+        jax.block_until_ready(result.data)
+
+    @functools.cached_property
+    def _prefix_shape(self):
+        width = self.spec.buckets[0]
+        return jax.eval_shape(self._prefill_traced, self._params,
+                              jax.ShapeDtypeStruct((width,), jnp.int32),
+                              jax.ShapeDtypeStruct((), jnp.int32), self._key)
+
+    def get_prefix_destination_sharding(self) -> serving.ServePrefix:
+        replicated = NamedSharding(self._mesh, P())
+        return jax.tree.map(lambda _: replicated, self._prefix_shape)
+
+    def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+        return tokenizer_pb2.TokenizerParameters(path=self.spec.tokenizer_dir)
+
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> HFTokenizer:
+        return HFTokenizer(metadata.path, chat_template=self.spec.chat_template,
+                           stop_ids=self.spec.stop_token_ids, buckets=self.spec.buckets)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.spec.layout.num_slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.spec.layout.max_prefill_length
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        return None  # no host-offloaded work

@@ -1,0 +1,64 @@
+"""tests/serve needs the jetstream extra (`pip install -e '.[jetstream]'`). `.ci/run` runs
+this folder in a second environment that has it; in the core environment, without the
+extra, the folder is not collected (tests/test_optional_extras.py checks the core without
+it)."""
+
+import importlib.util
+
+import pytest
+from flax import nnx
+
+if importlib.util.find_spec("jetstream") is None:
+    collect_ignore_glob = ["test_*.py"]
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
+PROMPTS = ["hello", "what is 1+1?", "abc", "zebra 42", "x", "the quick brown fox", "7 + 8 = ?",
+           "jax"]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny qwen2 policy with a character tokenizer (EOS 2), saved in HF format."""
+    from jaxrl.data.tokenizer import make_char_tokenizer
+    from jaxrl.models import Transformer, save_pretrained
+    from jaxrl.models.config import tiny_config
+
+    path = tmp_path_factory.mktemp("policy")
+    tokenizer = make_char_tokenizer(ALPHABET)
+    config = tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=2)
+    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A quickstart run of 2 steps with a checkpoint at each."""
+    from rich.console import Console
+
+    from jaxrl.run import loop
+    from tests.run.test_loop import NO_FLOPS, _config
+
+    tmp = tmp_path_factory.mktemp("serve_run")
+    loop.train(_config(tmp, NO_FLOPS, "log.plot=false", "log.tensorboard=false",
+                       "eval.num_prompts=0", "train.save_final=false", "train.max_steps=2",
+                       "train.checkpoint_every=1"), Console(quiet=True))
+    return tmp / "run"
+
+
+def generate_greedy(model_dir, prompts, max_new_tokens, layout="fsdp_tp", extra=()):
+    """`jaxrl generate`'s greedy completions (text, token count) of `prompts`."""
+    from rich.console import Console
+
+    from jaxrl.commands.generate import GenerateConfig, run_generate
+    from jaxrl.config import load_config
+
+    cfg = load_config(GenerateConfig, None, [
+        f"model.path={model_dir}", "rollout.temperature=0", f"sharding.layout={layout}",
+        f"rollout.max_new_tokens={max_new_tokens}", *extra])
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate,
+                                                                prompts=list(prompts)))
+    records = run_generate(cfg, Console(quiet=True))
+    return {r["prompt"]: (r["completion"], r["num_tokens"]) for r in records}
