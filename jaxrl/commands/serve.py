@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from rich.console import Console
 
@@ -40,7 +39,7 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
               stop: threading.Event | None = None) -> dict[str, Any]:
     """Serves until SIGTERM / SIGINT (or `stop` is set); returns the JSON summary."""
     try:
-        from jaxrl.serve.engine import EngineSpec, JetStreamEngine
+        from jaxrl.serve.engine import EngineSpec, JetStreamEngine, place
         from jaxrl.serve.server import Server
     except ImportError as e:  # jaxrl.serve.jetstream's message says how to install it
         raise ConfigError(str(e)) from None
@@ -49,20 +48,24 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
     mesh = make_mesh(layout)
     model, model_dir, source = _policy(cfg, step, mesh, layout.rollout_rules)
     tokenizer = load_tokenizer(model_dir)
-    graphdef, params = nnx.split(model)
-    slots = _slots(cfg, model.config, params)
+    model_config, (graphdef, params) = model.config, nnx.split(model)
+    # Only the copy the engine serves stays: the model as loaded (another dtype, or a
+    # checkpoint restored onto one device) is dropped before the slots are sized.
+    params = place(params, model_config.compute_dtype, mesh, layout.rollout_rules)
+    del model
+    slots = _slots(cfg, model_config, params)
     spec = EngineSpec(
         layout=serving.ServeLayout(slots, serve.max_prefill_length, serve.max_new_tokens,
                                    cfg.rollout.page_size),
         sampling=serve.sampling_params(),
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
-            tokenizer, model.config, cfg.rollout.stop_token_ids),
+            tokenizer, model_config, cfg.rollout.stop_token_ids),
         tokenizer_dir=str(model_dir), chat_template=serve.chat_template,
         buckets=serve.prefill_buckets(), attention=cfg.rollout.attention,
-        dtype=model.config.param_dtype, compute_dtype=model.config.compute_dtype,
+        dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype,
         seed=serve.seed)
     engine = JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=layout.rollout_rules)
-    params = engine.load_params()
+    del params
     console.print(f"[bold]serve[/]: {source} on mesh {dict(mesh.shape)}, {slots} slots, "
                   f"prompts up to {serve.max_prefill_length} tokens, up to "
                   f"{serve.max_new_tokens} new tokens, stop ids {list(spec.stop_token_ids)}")
@@ -72,21 +75,23 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         console.print(f"compiled {len(spec.buckets)} prefill buckets {list(spec.buckets)}, "
                       f"insert and generate in {time.perf_counter() - start:.1f}s")
     stop = stop or threading.Event()
-    caught = _on_signals(stop)
+    signals = _Signals()
+    server = Server(engine, engine.load_params(), host=serve.host, port=serve.port,
+                    max_new_tokens=serve.max_new_tokens)
     try:
-        server = Server(engine, params, host=serve.host, port=serve.port,
-                        max_new_tokens=serve.max_new_tokens, threads=serve.threads)
         server.start()
         address = f"{serve.host}:{server.port}"
         console.print(f"[bold green]serving on {address}[/] (JetStream gRPC; SIGTERM or "
                       f"Ctrl-C drains and stops)")
         started = time.perf_counter()
-        stop.wait()
-        console.print(f"[bold]serve[/]: {caught.get('name', 'stop')} received: draining "
-                      f"(up to {serve.drain_timeout_s:g}s)")
+        while signals.name is None and not stop.is_set():  # polled (`_Signals`)
+            time.sleep(0.2)
+        console.print(f"[bold]serve[/]: {signals.name or 'stop'} received: draining (up to "
+                      f"{serve.drain_timeout_s:g}s; a second signal stops at once)")
         server.drain(serve.drain_timeout_s)
     finally:
-        _restore(caught)
+        server.close()  # after an error or a second signal: requests in flight are cut
+        signals.restore()
     console.print("[bold]serve[/]: stopped")
     return {"address": address, "port": server.port, "slots": slots, "policy": source,
             "served_s": round(time.perf_counter() - started, 3)}
@@ -122,7 +127,8 @@ def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
 
 
 def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
-    """serve.max_slots, or what fits beside the weights (one device's share of them)."""
+    """serve.max_slots, or what fits beside the weights (`params`: as served, one device's
+    share of them)."""
     serve = cfg.serve
     if serve.max_slots is not None:
         return serve.max_slots
@@ -131,9 +137,7 @@ def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
     else:
         memory, where = device_memory()
     device = jax.local_devices()[0]
-    scale = np.dtype(model_config.compute_dtype).itemsize
-    weights = sum(s.data.nbytes // s.data.dtype.itemsize * scale
-                  for x in jax.tree.leaves(params) for s in x.addressable_shards
+    weights = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
                   if s.device == device)
     kw = dict(max_prefill_length=serve.max_prefill_length,
               max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size)
@@ -149,22 +153,23 @@ def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
     return slots
 
 
-def _on_signals(stop: threading.Event) -> dict[str, Any]:
-    """SIGTERM and SIGINT set `stop` (main thread only); what was there before, to restore."""
-    caught: dict[str, Any] = {}
-    if threading.current_thread() is not threading.main_thread():
-        return caught
+class _Signals:
+    """SIGTERM and SIGINT (main thread only): the first sets `name`, which the serving loop
+    polls (a handler that took a lock, as `Event.set` does, could wait forever on the main
+    thread it interrupted); a second raises KeyboardInterrupt, which cuts the drain (exit
+    130)."""
 
-    def handler(signum, _frame):
-        caught["name"] = signal.Signals(signum).name
-        stop.set()
+    def __init__(self):
+        self.name, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        caught[sig] = signal.signal(sig, handler)
-    return caught
+    def _handle(self, signum, _frame):
+        if self.name is not None:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
 
-
-def _restore(caught: dict[str, Any]) -> None:
-    for sig, previous in list(caught.items()):
-        if isinstance(sig, signal.Signals):
+    def restore(self) -> None:
+        for sig, previous in self.previous.items():
             signal.signal(sig, previous)

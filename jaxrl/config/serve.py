@@ -30,12 +30,11 @@ class ServeSection(SamplingSection):
     chat_template: bool = True  # render text prompts with the tokenizer's chat template
     seed: int = 0  # request i of the server's life samples with fold_in(key(seed), i)
     drain_timeout_s: float = 60.0  # SIGTERM/SIGINT: how long requests in flight may finish
-    threads: int | None = None  # gRPC handler threads; null: max(slots, 64), as JetStream
     warmup: bool = True  # compile every program before printing the address
 
     def __post_init__(self):
         require_at_least("serve", self, ("port",), 0)
-        require_at_least("serve", self, ("max_slots", "threads"), 1, " or null")
+        require_at_least("serve", self, ("max_slots",), 1, " or null")
         require_at_least("serve", self, ("max_prefill_length", "max_new_tokens"))
         if self.port > 65535:
             fail("serve", self, "port", "a TCP port in [0, 65535]")

@@ -134,9 +134,10 @@ def init_state(model_config, layout: ServeLayout, key: jax.Array) -> ServeState:
     """Every slot free (keys: `key`, replaced at insert)."""
     c, s = model_config, layout.num_slots
     shape = (c.num_layers, layout.num_pages, layout.page_size, 2 * c.num_kv_heads, c.head_dim)
-    zeros = jnp.zeros((s,), jnp.int32)
-    return ServeState(jnp.zeros(shape, c.compute_dtype), jnp.zeros((s,), bool), zeros, zeros,
-                      zeros, jnp.broadcast_to(key, (s,)))
+    # Separate buffers, not one array thrice: insert and generate donate the state.
+    token_S, emitted_S, pos_S = (jnp.zeros((s,), jnp.int32) for _ in range(3))
+    return ServeState(jnp.zeros(shape, c.compute_dtype), jnp.zeros((s,), bool), token_S,
+                      emitted_S, pos_S, jnp.broadcast_to(key, (s,)))
 
 
 def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Array,

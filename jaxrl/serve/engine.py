@@ -7,7 +7,8 @@
 
 Every method is one compiled program (prefill: one per prompt bucket), run on the mesh of
 `sharding.layout` under the rollout rules, with the policy cast to its compute dtype once at
-load. `load_params` reads an HF directory or a run's checkpoint. The prefill and generate
+load (`place`). The KV pool and the slots are replicated over the mesh: more devices shard
+the weights (tensor parallelism), not the slots. `load_params` reads an HF directory or a run's checkpoint. The prefill and generate
 engines of the server are this one object on the same devices (JetStream's interleaved
 mode): nothing moves between them, so the prefix's destination sharding is where prefill
 left it.
@@ -41,6 +42,15 @@ from jaxrl.serve.tokenizer import HFTokenizer
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 
 
+def place(params: nnx.State, compute_dtype, mesh: Mesh, rules: AxisRules) -> nnx.State:
+    """The parameters cast to the compute dtype (the model casts every weight to it at use
+    anyway) and laid out by the rollout rules; arrays already so are kept, not copied."""
+    params = jax.tree.map(
+        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        params)
+    return jax.device_put(params, state_shardings(params, mesh, rules))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """What the engine serves and how: the pool's layout, sampling, stop tokens, the
@@ -66,7 +76,7 @@ class JetStreamEngine(engine_api.Engine):
                  mesh: Mesh, rules: AxisRules):
         self.graphdef, self.spec, self._mesh, self.rules = graphdef, spec, mesh, rules
         self.model_config = nnx.merge(graphdef, params).config
-        self._params = self._place(params)
+        self._params = place(params, self.model_config.compute_dtype, mesh, rules)
         layout = spec.layout
         self.attention = resolve_attention(spec.attention, self.model_config, layout,
                                            layout.num_slots)
@@ -74,10 +84,15 @@ class JetStreamEngine(engine_api.Engine):
         self._key = jax.random.key(spec.seed)
         self._requests = itertools.count()
         self._lock = threading.Lock()
-        self._prefill = jax.jit(self._prefill_traced)
-        self._insert = jax.jit(self._insert_traced, donate_argnums=1)
-        self._generate = jax.jit(self._generate_traced, donate_argnums=1)
-        self._init = jax.jit(self._init_traced)
+        # The pool and the slots live on every device of the mesh (replicated; the weights
+        # are laid out by the rollout rules), so each call's outputs stay where its donated
+        # inputs were and no call moves the pool.
+        everywhere = NamedSharding(mesh, P())
+        self._prefill = jax.jit(self._prefill_traced, out_shardings=everywhere)
+        self._insert = jax.jit(self._insert_traced, donate_argnums=1, out_shardings=everywhere)
+        self._generate = jax.jit(self._generate_traced, donate_argnums=1,
+                                 out_shardings=everywhere)
+        self._init = jax.jit(self._init_traced, out_shardings=everywhere)
 
     # -- parameters ------------------------------------------------------------------------
 
@@ -95,13 +110,7 @@ class JetStreamEngine(engine_api.Engine):
         else:
             params = nnx.state(from_pretrained(source, dtype=self.spec.dtype,
                                                compute_dtype=self.spec.compute_dtype))
-        return self._place(params)
-
-    def _place(self, params: nnx.State) -> nnx.State:
-        dtype = self.model_config.compute_dtype
-        params = jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-        return jax.device_put(params, state_shardings(params, self._mesh, self.rules))
+        return place(params, self.model_config.compute_dtype, self._mesh, self.rules)
 
     # -- the four calls ----------------------------------------------------------------------
 

@@ -37,7 +37,22 @@ from jaxrl.serve.tokenizer import HFTokenizer, PromptTooLong
 
 
 class Driver(orchestrator.Driver):
-    """JetStream's driver; prompts padded by jaxrl's tokenizer (module docstring)."""
+    """JetStream's driver; prompts padded by jaxrl's tokenizer (module docstring), and its
+    generate loop restarted after its one racy assertion."""
+
+    def _generate_thread(self, idx: int):
+        # JetStream's generate loop, having tried to fill its free slots, asserts that some
+        # slot is busy; when the detokenize thread frees the last busy slot in between (the
+        # last request in flight just finished), the assertion fails and JetStream's thread
+        # wrapper kills the process. Every slot is then free: nothing is lost by starting
+        # the loop again (with a fresh decode state).
+        while self.live:
+            try:
+                return super()._generate_thread(idx)
+            except AssertionError:
+                slots = self._generate_engines[idx].max_concurrent_decodes
+                if self._generate_slots[idx].qsize() < slots:
+                    raise  # another assertion: not the race
 
     def _process_prefill_content(self, request, tokenizer: HFTokenizer, is_bos: bool,
                                  max_prefill_length: int):
@@ -97,9 +112,11 @@ class Server:
     """The engine served over gRPC (module docstring)."""
 
     def __init__(self, engine: JetStreamEngine, params, *, host: str, port: int,
-                 max_new_tokens: int, threads: int | None = None):
+                 max_new_tokens: int):
+        self.driver = None
+        # As JetStream's server_lib: gRPC's thread pool as big as the slots, at least 64.
         self._executor = futures.ThreadPoolExecutor(
-            max_workers=threads or max(engine.max_concurrent_decodes, 64))
+            max_workers=max(engine.max_concurrent_decodes, 64))
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._executor)
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop",
@@ -124,11 +141,15 @@ class Server:
         self.driver = Driver(prefill_engines=[engine], generate_engines=[engine],
                              prefill_params=[params], generate_params=[params],
                              interleaved_mode=True)
-        tokenizer = engine.build_tokenizer(engine.get_tokenizer())
-        self.service = Orchestrator(self.driver, tokenizer,
-                                    vocab_size=engine.model_config.vocab_size,
-                                    max_new_tokens=max_new_tokens)
-        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(self.service, self._grpc)
+        try:
+            tokenizer = engine.build_tokenizer(engine.get_tokenizer())
+            self.service = Orchestrator(self.driver, tokenizer,
+                                        vocab_size=engine.model_config.vocab_size,
+                                        max_new_tokens=max_new_tokens)
+            jetstream_pb2_grpc.add_OrchestratorServicer_to_server(self.service, self._grpc)
+        except BaseException:
+            self.close()  # the driver's threads would keep the process alive
+            raise
 
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -140,10 +161,21 @@ class Server:
         """Refuses new requests, lets those in flight finish for up to `timeout_s` seconds,
         then stops the orchestrator and the event loop."""
         self._call(self._grpc.stop(grace=timeout_s))
-        self.driver.stop()
+        self.close()
+
+    def close(self) -> None:
+        """Stops at once (requests in flight are cut): the gRPC server, the orchestrator's
+        threads (one of them not a daemon: left running, it keeps the process alive), the
+        event loop. Safe to call again."""
+        if self._thread.is_alive():
+            self._call(self._grpc.stop(grace=None))
+        if self.driver is not None:
+            self.driver.stop()
+            self.driver = None
         self._stop_loop()
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
         self._executor.shutdown(wait=False)

@@ -95,6 +95,29 @@ def test_greedy_without_stop_tokens_runs_to_the_cap(model):
     assert [len(g) for g in got] == [5] * len(PROMPTS)
 
 
+def test_a_request_inserted_over_a_live_slot_is_unaffected_by_it(model):
+    """JetStream frees a slot as soon as its request has max_tokens tokens, while the engine
+    still decodes it: the next request inserted there gets its own tokens."""
+    sampling = SamplingParams(temperature=1.0)
+    keys = row_keys(jax.random.key(5), 2, 1)
+    want = _reference(model, PROMPTS[:2], jax.random.key(5), sampling, 8, stop=())[1]
+    layout = serving.ServeLayout(2, max_prefill_length=8, max_new_tokens=8, page_size=4)
+    stop = jnp.asarray([-1], jnp.int32)
+    state = serving.init_state(model.config, layout, jax.random.key(0))
+    for i, slot in ((0, 0), (1, 0)):  # B over A after 3 steps, with A live
+        ids_L = np.zeros((8,), np.int32)
+        ids_L[:len(PROMPTS[i])] = PROMPTS[i]
+        prefix = serving.prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling)
+        state = serving.insert(state, prefix, slot, layout)
+        got = []
+        for _ in range(3 if i == 0 else 9):
+            assert i == 1 or bool(state.live_S[0])
+            state, out = serving.generate(model, state, layout, stop, sampling)
+            if bool(out.valid_S[0]):
+                got.append(int(out.token_S[0]))
+    assert got == want
+
+
 def test_a_first_token_that_stops_is_emitted_alone(model):
     """A stop token drawn at prefill is the request's only token."""
     sampling = SamplingParams(temperature=0.0)
@@ -137,8 +160,11 @@ def test_serve_section_defaults_and_checks():
     cfg = load_config(ExperimentConfig, QUICKSTART, ["serve.max_prefill_length=100"])
     assert cfg.serve.prefill_buckets() == (16, 32, 64, 100)
     assert load_config(ExperimentConfig, QUICKSTART, []).serve.prefill_buckets()[-1] == 512
-    # A training config serves greedily even though it trains at temperature 1.
-    assert load_config(ExperimentConfig, QUICKSTART, ["serve.temperature=0"]).serve.temperature == 0
+    assert load_config(ExperimentConfig, QUICKSTART,
+                       ["serve.max_prefill_length=16"]).serve.prefill_buckets() == (16,)
+    # Greedy serving of a config that trains at temperature 1 (which training requires > 0).
+    greedy = load_config(ExperimentConfig, QUICKSTART, ["serve.temperature=0"])
+    assert greedy.serve.sampling_params().greedy and greedy.rollout.temperature > 0
 
 
 @pytest.mark.parametrize("override, words", [

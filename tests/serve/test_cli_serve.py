@@ -8,8 +8,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
+import pytest
 
 from jaxrl.serve.jetstream import jetstream_pb2, jetstream_pb2_grpc
 
@@ -69,6 +71,15 @@ def test_sigterm_drains_requests_in_flight_and_exits_0(trained_run):
             t.start()
         assert started[0].wait(60)
         process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not any("draining" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Draining: a new request is refused (the 6 in flight go on).
+        late = jetstream_pb2.DecodeRequest(
+            text_content=jetstream_pb2.DecodeRequest.TextContent(text="2+2="), max_tokens=4)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Decode(late, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         for t in threads:
             t.join(120)
         # 6 requests over 4 slots: at SIGTERM some were still queued; all finished.
