@@ -5,6 +5,7 @@
         [-- SERVE_OVERRIDES ...]
     python benchmarks/serve.py --address HOST:PORT --vocab V ...   (a server already running)
     python benchmarks/serve.py --make-model DIR [--layers 4 --hidden 256]   (a random policy)
+    python benchmarks/serve.py --engine-steps DIR [--slots 4 16]   (the engine alone)
 
 With `--model` it starts `jaxrl serve` on that HF directory itself (a free port, greedy,
 `rollout.ignore_eos=true` so every request runs to its max_tokens, `serve.max_slots=--slots`,
@@ -22,6 +23,10 @@ counted. Prints:
     TTFT p50 / p99      time to first token: request sent -> first token received
     TPOT p50 / p99      time per output token after the first: (last - first) / (n - 1)
     latency p50 / p99   request sent -> last token received
+
+`--engine-steps` times the engine's compiled calls alone, without JetStream's threads or
+gRPC: one generate step (every slot live, and one slot live) and one prefill of the largest
+prompt, for each slot count: what the served TPOT and TTFT would be with no orchestration.
 """
 
 from __future__ import annotations
@@ -58,6 +63,50 @@ def make_model(path: str, layers: int, hidden: int) -> None:
     save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), path)
     tokenizer.save_pretrained(path)
     print(f"wrote a {config.num_params():,}-parameter policy to {path}")
+
+
+def engine_steps(model_dir: str, slot_counts: list[int], max_prompt: int,
+                 max_output: int, steps: int = 100) -> None:
+    """Prints the engine's generate step and prefill times (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl.models import from_pretrained
+    from jaxrl.rollout import serving
+    from jaxrl.rollout.sampling import SamplingParams
+
+    model = from_pretrained(model_dir)
+    graphdef, params = nnx.split(model)
+    greedy, stop = SamplingParams(temperature=0.0), jnp.asarray([-1], jnp.int32)
+    for slots in slot_counts:
+        layout = serving.ServeLayout(slots, max_prompt, max_output, 16)
+        generate = jax.jit(lambda p, st, layout=layout: serving.generate(
+            nnx.merge(graphdef, p), st, layout, stop, greedy), donate_argnums=1)
+        prefill = jax.jit(lambda p, ids, n: serving.prefill(
+            nnx.merge(graphdef, p), ids, n, jax.random.key(0), greedy))
+        insert = jax.jit(lambda st, pf, s, layout=layout: serving.insert(st, pf, s, layout),
+                         donate_argnums=0)
+        ids = jnp.ones((max_prompt,), jnp.int32)
+        for live in sorted({1, slots}):
+            state = serving.init_state(model.config, layout, jax.random.key(0))
+            for slot in range(live):
+                state = insert(state, prefill(params, ids, max_prompt - 8), slot)
+            state, out = generate(params, state)
+            jax.block_until_ready(out)
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, out = generate(params, state)
+            jax.block_until_ready(out)
+            step_ms = 1e3 * (time.perf_counter() - start) / steps
+            print(f"slots {slots:3d}, {live:3d} live: generate step {step_ms:.2f} ms "
+                  f"({live / step_ms * 1e3:.0f} tokens/s)")
+        start = time.perf_counter()
+        for _ in range(20):
+            prefix = prefill(params, ids, max_prompt - 8)
+        jax.block_until_ready(prefix)
+        print(f"prefill of {max_prompt} tokens: "
+              f"{1e3 * (time.perf_counter() - start) / 20:.2f} ms")
 
 
 def start_server(model: str, slots: int, max_prompt: int, max_output: int,
@@ -157,6 +206,8 @@ def main() -> None:
     parser.add_argument("--address", help="HOST:PORT of a server already running")
     parser.add_argument("--vocab", type=int, help="vocabulary size (with --address)")
     parser.add_argument("--make-model", help="write a random policy to this directory, exit")
+    parser.add_argument("--engine-steps", metavar="DIR",
+                        help="time the engine's calls alone on this model directory, exit")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--clients", type=int, default=16)
@@ -164,7 +215,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
-    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--slots", type=int, nargs="+", default=[16],
+                        help="decode slots of the server started (--engine-steps: each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args, overrides = parser.parse_known_args()
@@ -172,12 +224,15 @@ def main() -> None:
     if args.make_model:
         make_model(args.make_model, args.layers, args.hidden)
         return
+    if args.engine_steps:
+        engine_steps(args.engine_steps, args.slots, args.prompt_len[1], args.output_len[1])
+        return
     if bool(args.model) == bool(args.address):
         parser.error("give --model DIR (start a server) or --address HOST:PORT (use one)")
     process = None
     if args.model:
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-        process, address = start_server(args.model, args.slots, args.prompt_len[1],
+        process, address = start_server(args.model, args.slots[0], args.prompt_len[1],
                                         args.output_len[1], overrides)
     else:
         if args.vocab is None:
@@ -190,7 +245,7 @@ def main() -> None:
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(120)
-    result["slots"] = args.slots if args.model else None
+    result["slots"] = args.slots[0] if args.model else None
     if args.json:
         print(json.dumps(result))
         return

@@ -7,7 +7,8 @@
              (`jaxrl.serve.server`), every program compiled first (serve.warmup)
     prints   "serving on HOST:PORT" (stderr) once it answers, then serves until SIGTERM or
              SIGINT: new requests are refused, those in flight finish (serve.drain_timeout_s),
-             the command returns its JSON line with exit 0
+             the command returns its JSON line with exit 0; a second Ctrl-C cuts the drain
+             (exit 130)
 
 Needs the extra: `pip install 'jaxrl[jetstream]'`; without it, exit 2 saying so.
 """
@@ -87,7 +88,7 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         while signals.name is None and not stop.is_set():  # polled (`_Signals`)
             time.sleep(0.2)
         console.print(f"[bold]serve[/]: {signals.name or 'stop'} received: draining (up to "
-                      f"{serve.drain_timeout_s:g}s; a second signal stops at once)")
+                      f"{serve.drain_timeout_s:g}s; a second Ctrl-C stops at once)")
         server.drain(serve.drain_timeout_s)
     finally:
         server.close()  # after an error or a second signal: requests in flight are cut
@@ -156,8 +157,8 @@ def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
 class _Signals:
     """SIGTERM and SIGINT (main thread only): the first sets `name`, which the serving loop
     polls (a handler that took a lock, as `Event.set` does, could wait forever on the main
-    thread it interrupted); a second raises KeyboardInterrupt, which cuts the drain (exit
-    130)."""
+    thread it interrupted); a second Ctrl-C (SIGINT) raises KeyboardInterrupt, which cuts
+    the drain (exit 130)."""
 
     def __init__(self):
         self.name, self.previous = None, {}
@@ -166,9 +167,12 @@ class _Signals:
                 self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame):
-        if self.name is not None:
+        if self.name is None:
+            self.name = signal.Signals(signum).name
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.name = signal.Signals(signum).name
+        # A repeated SIGTERM changes nothing: wrappers (timeout, srun, shells) often pass
+        # one on to a process that already got its own.
 
     def restore(self) -> None:
         for sig, previous in self.previous.items():
