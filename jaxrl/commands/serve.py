@@ -44,6 +44,10 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         from jaxrl.serve.server import Server
     except ImportError as e:  # jaxrl.serve.jetstream's message says how to install it
         raise ConfigError(str(e)) from None
+    if jax.process_count() > 1:
+        raise ConfigError(f"jaxrl serve runs in one process (one host's devices), got "
+                          f"{jax.process_count()} processes; start it without "
+                          f"distributed.* settings")
     serve = cfg.serve
     layout = resolve_layout(cfg.sharding.layout)
     mesh = make_mesh(layout)

@@ -3,6 +3,7 @@ this folder in a second environment that has it; in the core environment, withou
 extra, the folder is not collected (tests/test_optional_extras.py checks the core without
 it)."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -46,7 +47,7 @@ def trained_run(tmp_path_factory):
     return tmp / "run"
 
 
-def generate_greedy(model_dir, prompts, max_new_tokens, layout="fsdp_tp", extra=()):
+def generate_greedy(model_dir, prompts, max_new_tokens, layout="fsdp_tp"):
     """`jaxrl generate`'s greedy completions (text, token count) of `prompts`."""
     from rich.console import Console
 
@@ -55,9 +56,8 @@ def generate_greedy(model_dir, prompts, max_new_tokens, layout="fsdp_tp", extra=
 
     cfg = load_config(GenerateConfig, None, [
         f"model.path={model_dir}", "rollout.temperature=0", f"sharding.layout={layout}",
-        f"rollout.max_new_tokens={max_new_tokens}", *extra])
-    import dataclasses
-
+        f"rollout.max_new_tokens={max_new_tokens}"])
+    # Prompts set here, not as an override: some hold characters the override syntax reads.
     cfg = dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate,
                                                                 prompts=list(prompts)))
     records = run_generate(cfg, Console(quiet=True))
