@@ -80,9 +80,9 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         console.print(f"compiled {len(spec.buckets)} prefill buckets {list(spec.buckets)}, "
                       f"insert and generate in {time.perf_counter() - start:.1f}s")
     stop = stop or threading.Event()
-    signals = _Signals()
     server = Server(engine, engine.load_params(), host=serve.host, port=serve.port,
                     max_new_tokens=serve.max_new_tokens)
+    signals = _Signals()
     try:
         server.start()
         address = f"{serve.host}:{server.port}"
