@@ -118,9 +118,12 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _eval_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--step", type=int, default=None,
-                        help="evaluate this checkpoint's step (default: the latest)")
+def _step_option(verb: str):
+    """The `--step N` option of a command that reads one checkpoint of a run."""
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--step", type=int, default=None,
+                            help=f"{verb} this checkpoint's step (default: the latest)")
+    return add
 
 
 def _serve(args: argparse.Namespace, console: Console) -> int:
@@ -129,11 +132,6 @@ def _serve(args: argparse.Namespace, console: Console) -> int:
     _, cfg = _experiment(args, console)
     _emit(run_serve(cfg, console, step=args.step))
     return 0
-
-
-def _serve_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--step", type=int, default=None,
-                        help="serve this checkpoint's step of train.run_dir (default: the latest)")
 
 
 def _export(args: argparse.Namespace, console: Console) -> int:
@@ -148,8 +146,7 @@ def _export(args: argparse.Namespace, console: Console) -> int:
 
 def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the new HF model directory to write")
-    parser.add_argument("--step", type=int, default=None,
-                        help="export this checkpoint's step (default: the latest)")
+    _step_option("export")(parser)
 
 
 def _bench_options(parser: argparse.ArgumentParser) -> None:
@@ -168,8 +165,8 @@ COMMANDS = {
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory"),
     "serve": (_serve, "serve a policy over gRPC with JetStream (the jetstream extra)"),
 }
-OPTIONS = {"bench": _bench_options, "eval": _eval_options, "export": _export_options,
-           "serve": _serve_options}
+OPTIONS = {"bench": _bench_options, "eval": _step_option("evaluate"), "export": _export_options,
+           "serve": _step_option("serve")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from rich.console import Console
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.tokenizer import load_tokenizer, stop_token_ids
 from jaxrl.models import from_pretrained
-from jaxrl.perf.memory import MemoryFitError, device_memory, format_bytes
+from jaxrl.perf.memory import MemoryFitError, format_bytes, memory_limit
 from jaxrl.rollout import serving
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.run_dir import FINAL_MODEL_DIR
@@ -137,10 +137,7 @@ def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
     serve = cfg.serve
     if serve.max_slots is not None:
         return serve.max_slots
-    if cfg.perf.memory_limit_gib is not None:
-        memory, where = int(cfg.perf.memory_limit_gib * 2**30), "perf.memory_limit_gib"
-    else:
-        memory, where = device_memory()
+    memory, where = memory_limit(cfg.perf.memory_limit_gib)
     device = jax.local_devices()[0]
     weights = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
                   if s.device == device)

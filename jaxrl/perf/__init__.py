@@ -12,6 +12,7 @@ from jaxrl.perf.memory import (
     check_fit,
     device_memory,
     format_bytes,
+    memory_limit,
     program_memory,
 )
 from jaxrl.perf.mfu import IMPLAUSIBLE, format_flops, plausible, utilization
@@ -26,6 +27,6 @@ from jaxrl.perf.peak import (
 __all__ = [
     "IMPLAUSIBLE", "MemoryFitError", "MemoryReport", "Peak", "ProgramMemory", "check_fit",
     "default_cache_path", "device_memory", "format_bytes", "format_flops",
-    "measure_matmul_flops", "memory_bandwidth", "peak_flops", "plausible", "program_memory",
+    "measure_matmul_flops", "memory_limit", "memory_bandwidth", "peak_flops", "plausible", "program_memory",
     "utilization",
 ]

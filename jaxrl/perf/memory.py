@@ -86,6 +86,13 @@ def device_memory(device: jax.Device | None = None) -> tuple[int, str]:
     return host_bytes // num_devices, f"host memory / {num_devices} CPU devices"
 
 
+def memory_limit(limit_gib: float | None, device: jax.Device | None = None) -> tuple[int, str]:
+    """(bytes, source): `perf.memory_limit_gib` when set, else `device_memory(device)`."""
+    if limit_gib is not None:
+        return int(limit_gib * 2**30), "perf.memory_limit_gib"
+    return device_memory(device)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """The programs of a step against the memory of one device."""

@@ -111,6 +111,13 @@ def init_decode_state(model: Transformer, layout: PoolLayout, num_slots: int, nu
         logp_BxC=jnp.zeros((b, c), jnp.float32), logp_raw_BxC=jnp.zeros((b, c), jnp.float32))
 
 
+def pool_kv(cache) -> jax.Array:
+    """A dense cache's keys and values ([layers, B, T, K, H] each) interleaved on the head
+    axis as the page pool holds them: [layers, B, T, 2K, H] (k, v of head 0, then head 1...)."""
+    return jnp.stack([cache.k, cache.v], axis=4).reshape(
+        *cache.k.shape[:3], -1, cache.k.shape[-1])
+
+
 def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
                   prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array, row_keys_B: jax.Array,
                   limit_B: jax.Array, stop_ids: jax.Array, sampling: SamplingParams,
@@ -128,8 +135,7 @@ def prefill_group(model: Transformer, state: DecodeState, layout: PoolLayout,
     index_PxL = jnp.cumsum(mask_PxL, axis=1, dtype=jnp.int32) - 1
     page_PxL = jnp.arange(num_prompts)[:, None] * layout.prompt_pages + index_PxL // layout.page_size
     page_PxL = jnp.where(mask_PxL, page_PxL, layout.num_pages)  # padding: dropped
-    kv_LxPxLx2KxH = jnp.stack([cache.k, cache.v], axis=4).reshape(
-        *cache.k.shape[:3], -1, cache.k.shape[-1])
+    kv_LxPxLx2KxH = pool_kv(cache)
     kv_pages = state.kv_pages.at[:, page_PxL, index_PxL % layout.page_size].set(
         kv_LxPxLx2KxH.astype(state.kv_pages.dtype), mode="drop")
     logits_BxV = jnp.repeat(logits_PxV, g, axis=0)

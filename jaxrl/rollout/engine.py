@@ -29,6 +29,12 @@ from jaxrl.rollout.sampler import Rollout, SamplerConfig, sample
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 
 
+def to_compute_dtype(params: nnx.State, dtype) -> nnx.State:
+    """Every floating-point weight cast to `dtype` (an array already in it is kept)."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
 class Prompts(NamedTuple):
     """Left-padded prompt token ids and their mask (1 = real token)."""
 
@@ -96,9 +102,7 @@ class Sampler:
         # Cast before resharding: the model casts every weight to the compute dtype at use
         # anyway, so gathering (and holding) the rollout copy in it halves the traffic of
         # fp32 weights with bf16 compute and changes no result.
-        dtype = nnx.merge(self.graphdef, params).config.compute_dtype
-        params = jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        params = to_compute_dtype(params, nnx.merge(self.graphdef, params).config.compute_dtype)
         if self.mesh is None:
             return run(nnx.merge(self.graphdef, params), prompts)
         params = jax.lax.with_sharding_constraint(

@@ -1,7 +1,7 @@
 """The rollout engine one request at a time, as a server drives it (JetStream's Engine calls).
 
-    layout        = ServeLayout.plan(model_config, slots, max_prefill_length, max_new_tokens)
-    state         = init_state(model_config, layout)          every slot free
+    layout        = ServeLayout(slots, max_prefill_length, max_new_tokens, page_size)
+    state         = init_state(model_config, layout, key)     every slot free
     prefix        = prefill(model, ids_L, n, key, ...)         a prompt's keys/values and its
                                                                first token (not yet emitted)
     state         = insert(state, prefix, slot, layout)        the slot starts that request
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxrl.models import PagedKV, Transformer
+from jaxrl.rollout.continuous import pool_kv
 from jaxrl.rollout.sampler import prefill as dense_prefill
 from jaxrl.rollout.sampler import sample_rows
 from jaxrl.rollout.sampling import SamplingParams
@@ -152,8 +153,7 @@ def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Ar
     logits_1xV, cache, _ = dense_prefill(model, ids_1xL, mask_1xL, 1)
     # Position j of the prompt sits at column shift + j of the left-padded cache.
     column_L = jnp.clip(shift + jnp.arange(width), 0, width - 1)
-    kv = jnp.stack([cache.k[:, 0], cache.v[:, 0]], axis=3)  # [layers, L, K, 2, H]
-    kv_LxTx2KxH = kv.reshape(*kv.shape[:2], -1, kv.shape[-1])[:, column_L]
+    kv_LxTx2KxH = pool_kv(cache)[:, 0, column_L]
     first_1, _, _ = sample_rows(jax.random.fold_in(key, 0)[None], logits_1xV, sampling)
     return ServePrefix(kv_LxTx2KxH, jnp.asarray(length, jnp.int32), first_1[0], key)
 

@@ -33,9 +33,9 @@ from jaxrl.perf import (
     Peak,
     ProgramMemory,
     check_fit,
-    device_memory,
     format_bytes,
     format_flops,
+    memory_limit,
     peak_flops,
     program_memory,
     utilization,
@@ -46,8 +46,6 @@ from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
 from jaxrl.step.clock import phase_times
-
-GIB = 1024 ** 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +85,10 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
     `refresh_peak` measures a CPU's matmul rate again instead of reading the cache."""
     cfg = run.cfg
     device = run.mesh.local_devices[0]  # this process's (a multi-process mesh spans others)
-    if cfg.perf.memory_limit_gib is not None:
-        limit, source = int(cfg.perf.memory_limit_gib * GIB), "perf.memory_limit_gib"
-    else:
-        try:
-            limit, source = device_memory(device)
-        except ValueError as e:
-            limit, source = 0, str(e)
+    try:
+        limit, source = memory_limit(cfg.perf.memory_limit_gib, device)
+    except ValueError as e:  # an accelerator that reports no limit
+        limit, source = 0, str(e)
     if limit > 0:
         _check_kv_cache(run, limit, source)
     start = time.perf_counter()

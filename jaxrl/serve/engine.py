@@ -8,10 +8,10 @@
 Every method is one compiled program (prefill: one per prompt bucket), run on the mesh of
 `sharding.layout` under the rollout rules, with the policy cast to its compute dtype once at
 load (`place`). The KV pool and the slots are replicated over the mesh: more devices shard
-the weights (tensor parallelism), not the slots. `load_params` reads an HF directory or a run's checkpoint. The prefill and generate
-engines of the server are this one object on the same devices (JetStream's interleaved
-mode): nothing moves between them, so the prefix's destination sharding is where prefill
-left it.
+the weights (tensor parallelism), not the slots. `load_params` reads an HF directory or a
+run's checkpoint. The prefill and generate engines of the server are this one object on
+the same devices (JetStream's interleaved mode): nothing moves between them, so the
+prefix's destination sharding is where prefill left it.
 
 Request i of the engine's life samples with fold_in(key(seed), i) (`jaxrl.rollout.serving`
 draws its token t with fold_in of that, t); greedy decoding uses no key.
@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.models import from_pretrained
 from jaxrl.rollout import serving
 from jaxrl.rollout.continuous import resolve_attention
+from jaxrl.rollout.engine import to_compute_dtype
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.run.run_dir import is_run_dir
 from jaxrl.run.saved_policy import load_run_policy
@@ -45,9 +46,7 @@ from jaxrl.sharding import AxisRules, state_shardings, use_rules
 def place(params: nnx.State, compute_dtype, mesh: Mesh, rules: AxisRules) -> nnx.State:
     """The parameters cast to the compute dtype (the model casts every weight to it at use
     anyway) and laid out by the rollout rules; arrays already so are kept, not copied."""
-    params = jax.tree.map(
-        lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        params)
+    params = to_compute_dtype(params, compute_dtype)
     return jax.device_put(params, state_shardings(params, mesh, rules))
 
 

@@ -16,14 +16,18 @@ from jaxrl.models.config import tiny_config
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy")
+def save_char_policy(path):
+    """A tiny qwen2 policy with a character tokenizer (EOS 2), saved in HF format at `path`."""
     tokenizer = make_char_tokenizer(ALPHABET)
     config = tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=2)
     save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_char_policy(tmp_path_factory.mktemp("policy"))
 
 
 def test_generate_prints_completions_per_prompt(model_dir, capsys):

@@ -7,29 +7,20 @@ import dataclasses
 import importlib.util
 
 import pytest
-from flax import nnx
 
 if importlib.util.find_spec("jetstream") is None:
     collect_ignore_glob = ["test_*.py"]
 
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
 PROMPTS = ["hello", "what is 1+1?", "abc", "zebra 42", "x", "the quick brown fox", "7 + 8 = ?",
            "jax"]
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    """A tiny qwen2 policy with a character tokenizer (EOS 2), saved in HF format."""
-    from jaxrl.data.tokenizer import make_char_tokenizer
-    from jaxrl.models import Transformer, save_pretrained
-    from jaxrl.models.config import tiny_config
+    """`jaxrl generate`'s test policy: tiny qwen2, character tokenizer, EOS 2."""
+    from tests.commands.test_generate import save_char_policy
 
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = make_char_tokenizer(ALPHABET)
-    config = tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=2)
-    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_char_policy(tmp_path_factory.mktemp("policy"))
 
 
 @pytest.fixture(scope="session")
