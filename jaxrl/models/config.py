@@ -1,7 +1,9 @@
 """Architecture of a decoder-only transformer, and its translation to and from HF `config.json`.
 
-One frozen dataclass covers the Llama 3.x, Qwen2/2.5, Qwen3 and Mistral families; they differ
-only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings). Runtime choices
+One frozen dataclass covers the Llama 3.x, Qwen2/2.5, Qwen3, Mistral and Qwen3-MoE families;
+they differ only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings,
+and for `qwen3_moe` a mixture of `num_experts` SwiGLU experts in place of the MLP,
+`jaxrl.models.moe`). Runtime choices
 that are not part of the checkpoint (parameter dtype, compute dtype, layer scan, attention
 kernel, activation rematerialisation) live here too so one object builds a model.
 """
@@ -17,13 +19,14 @@ import jax.numpy as jnp
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -56,7 +59,7 @@ class RopeScaling:
 class ModelConfig:
     """Decoder architecture plus the runtime policy (dtypes, scan, attention kernel, remat)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -75,6 +78,12 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mixture of experts (qwen3_moe): every layer's MLP is `num_experts` SwiGLU experts of
+    # width `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     # Runtime policy, not stored in the checkpoint.
     param_dtype: DTypeName = "float32"
     compute_dtype: DTypeName = "float32"
@@ -97,6 +106,17 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
             )
+        moe = self.model_type == "qwen3_moe"
+        if moe != (self.num_experts > 0):
+            raise UnsupportedModelError(
+                f"num_experts={self.num_experts} with model_type {self.model_type!r}: "
+                f"expected num_experts > 0 exactly for qwen3_moe")
+        if moe and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts={self.num_experts}, "
+                             f"got {self.num_experts_per_tok}")
+        if moe and self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got "
+                             f"{self.moe_intermediate_size}")
         if self.remat not in get_args(Remat):
             raise ValueError(f"remat {self.remat!r} is not supported; expected one of "
                              f"{', '.join(map(repr, get_args(Remat)))}")
@@ -110,7 +130,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count, embeddings included (tied embeddings counted once)."""
-        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        e, d = self.hidden_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
@@ -118,9 +138,18 @@ class ModelConfig:
             attn += e
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * e * f + 2 * e
+        layer = attn + self.mlp_params() + 2 * e
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.num_layers * layer + self.vocab_size * e + head + e
+
+    def mlp_params(self, *, active: bool = False) -> int:
+        """Weights of one layer's MLP: 3·E·F dense; X·3·E·F_moe + E·X (router) for a mixture
+        of X experts, of which only the k experts a token is routed to are `active`."""
+        e = self.hidden_size
+        if not self.num_experts:
+            return 3 * e * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * e * self.moe_intermediate_size + e * self.num_experts
 
     # ---------------------------------------------------------------- HF config.json
 
@@ -139,6 +168,7 @@ class ModelConfig:
             raise UnsupportedModelError("mlp_bias=true is not supported (no family we cover uses it)")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
+        moe = _moe_fields(hf) if model_type == "qwen3_moe" else {}
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
@@ -169,10 +199,11 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=_token_ids(hf.get("eos_token_id")),
+            **moe,
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,
             scan_layers=scan_layers,
@@ -184,12 +215,12 @@ class ModelConfig:
         """The HF `config.json` dict that transformers reads back as the same architecture."""
         if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
             raise UnsupportedModelError("qwen2 checkpoints always have q/k/v bias and no o bias")
-        if self.model_type in ("llama", "mistral", "qwen3") and self.qkv_bias != self.o_bias:
+        if self.model_type in ("llama", "mistral", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
             raise UnsupportedModelError(
                 f"{self.model_type} has one attention_bias switch for q/k/v and o; "
                 f"got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
             )
-        if self.qk_norm != (self.model_type == "qwen3"):
+        if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe")):
             raise UnsupportedModelError(f"qk_norm={self.qk_norm} cannot be written as {self.model_type}")
         hf: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.model_type]],
@@ -220,9 +251,14 @@ class ModelConfig:
             hf["attention_bias"] = self.qkv_bias
         if self.model_type == "mistral":
             hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             hf["use_sliding_window"] = False
             hf["sliding_window"] = None
+        if self.num_experts:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size,
+                      norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=[])
         return hf
 
 
@@ -241,10 +277,33 @@ def tiny_config(model_type: str, **overrides: Any) -> ModelConfig:
         fields.update(qkv_bias=True, tie_word_embeddings=True, rope_theta=1_000_000.0)
     elif model_type == "qwen3":
         fields.update(qk_norm=True, tie_word_embeddings=True, head_dim=16)
+    elif model_type == "qwen3_moe":
+        fields.update(qk_norm=True, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=True)
     elif model_type == "mistral":
         fields.update(sliding_window=4)
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe `config.json`; layouts other than "every
+    layer is a mixture" (dense layers interleaved) are refused by field."""
+    if hf.get("mlp_only_layers"):
+        raise UnsupportedModelError(f"qwen3_moe with mlp_only_layers={hf['mlp_only_layers']} "
+                                    "(dense layers among the MoE layers) is not supported; "
+                                    "expected []")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedModelError(f"qwen3_moe with decoder_sparse_step="
+                                    f"{hf['decoder_sparse_step']} is not supported; expected 1")
+    if hf.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are "
+                                    "not supported")
+    # transformers writes `num_experts` under its attribute-map alias `num_local_experts`.
+    num_experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    return dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def _token_ids(value: Any) -> int | tuple[int, ...] | None:

@@ -9,6 +9,11 @@ axis split out, and fuse what runs on the same input into one kernel (one larger
     qkv_bias   [K, G+2, H]     from the three biases the same way
     o_kernel   [N, H, E]       from o_proj [E, N*H]
     gate_up    [E, 2, F]       from gate_proj [F, E] and up_proj [F, E]
+    MoE (qwen3_moe), stored per expert x as the hub checkpoints are (transformers fuses
+    them on load with its conversion mapping and splits them again on save):
+    router     [E, X]          from mlp.gate.weight [X, E]
+    gate_up    [X, E, 2, F]    from mlp.experts.{x}.gate_proj / up_proj [F, E]
+    down       [X, F, E]       from mlp.experts.{x}.down_proj [E, F]
 
 Each layout converts the full HF tensors of a parameter to ours and back, and — for loading
 onto a mesh — turns a slice of *our* array into the (contiguous) slices of the HF tensors that
@@ -24,7 +29,8 @@ from typing import Literal
 
 import numpy as np
 
-LayoutKind = Literal["copy", "transpose", "heads_out", "qkv_in", "qkv_bias", "pair_in"]
+LayoutKind = Literal["copy", "transpose", "heads_out", "qkv_in", "qkv_bias", "pair_in",
+                     "experts_pair_in", "experts_transpose"]
 
 _QKV = tuple(f"self_attn.{p}_proj.weight" for p in "qkv")
 _QKV_BIAS = tuple(f"self_attn.{p}_proj.bias" for p in "qkv")
@@ -45,6 +51,13 @@ _LAYER = {
     ("attn", "k_norm", "scale"): (("self_attn.k_norm.weight",), "copy"),
     ("mlp", "gate_up"): (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "pair_in"),
     ("mlp", "down"): (("mlp.down_proj.weight",), "transpose"),
+    ("mlp", "router"): (("mlp.gate.weight",), "transpose"),
+}
+# Mixture-of-experts kernels: one HF tensor per expert (and per gate/up part).
+_EXPERTS = {
+    ("mlp", "gate_up"): (("mlp.experts.{x}.gate_proj.weight", "mlp.experts.{x}.up_proj.weight"),
+                         "experts_pair_in"),
+    ("mlp", "down"): (("mlp.experts.{x}.down_proj.weight",), "experts_transpose"),
 }
 
 Index = tuple[slice, ...]
@@ -72,8 +85,9 @@ class ParamName:
         return [tuple(f"model.layers.{i}.{t}" for t in self.templates) for i in self.layers]
 
 
-def param_name(path: tuple[str | int, ...], num_layers: int) -> ParamName:
-    """The HF name(s) of the variable at NNX state `path` (`layers.3.attn.q_kernel` ...)."""
+def param_name(path: tuple[str | int, ...], num_layers: int, num_experts: int = 0) -> ParamName:
+    """The HF name(s) of the variable at NNX state `path` (`layers.3.attn.q_kernel` ...);
+    `num_experts` > 0: the MLP is a mixture of that many experts."""
     if path in _TOP:
         return ParamName(*_TOP[path], layers=None, stacked=False)
     if path[0] == "layers":
@@ -81,6 +95,10 @@ def param_name(path: tuple[str | int, ...], num_layers: int) -> ParamName:
             layers, stacked, inner = (path[1],), False, path[2:]
         else:
             layers, stacked, inner = tuple(range(num_layers)), True, path[1:]
+        if num_experts and inner in _EXPERTS:
+            templates, kind = _EXPERTS[inner]
+            per_expert = tuple(t.format(x=x) for x in range(num_experts) for t in templates)
+            return ParamName(per_expert, kind, layers=layers, stacked=stacked)
         if inner in _LAYER:
             return ParamName(*_LAYER[inner], layers=layers, stacked=stacked)
     raise KeyError(f"no HF name known for parameter {'.'.join(map(str, path))}")
@@ -101,6 +119,12 @@ def hf_shapes(kind: LayoutKind, shape: tuple[int, ...]) -> tuple[tuple[int, ...]
     if kind == "qkv_bias":
         k, j, h = shape
         return ((k * (j - 2) * h,), (k * h,), (k * h,))
+    if kind == "experts_pair_in":
+        x, e, _, f = shape
+        return ((f, e),) * (2 * x)
+    if kind == "experts_transpose":
+        x, f, e = shape
+        return ((e, f),) * x
     e, _, f = shape
     return ((f, e), (f, e))
 
@@ -124,6 +148,13 @@ def to_ours(kind: LayoutKind, reads: tuple[ReadFn, ...], index: Index, head_dim:
     if kind == "pair_in":
         se, sc, sf = index
         return np.stack([reads[c]((sf, se)).T for c in range(2)[sc]], axis=1)
+    if kind == "experts_pair_in":  # reads: gate_0, up_0, gate_1, up_1, ...
+        sx, se, sc, sf = index
+        return np.stack([to_ours("pair_in", reads[2 * x:2 * x + 2], (se, sc, sf), head_dim, group)
+                         for x in range(len(reads) // 2)[sx]])
+    if kind == "experts_transpose":
+        sx, sf, se = index
+        return np.stack([reads[x]((se, sf)).T for x in range(len(reads))[sx]])
     if kind == "qkv_in":
         se, sk, sj, sh = index
         parts = [p.T.reshape(p.shape[1], sk.stop - sk.start, -1, head_dim)
@@ -154,6 +185,10 @@ def to_hf(kind: LayoutKind, x: np.ndarray) -> tuple[np.ndarray, ...]:
         return (x.reshape(-1, x.shape[-1]).T,)
     if kind == "pair_in":
         return (x[:, 0].T, x[:, 1].T)
+    if kind == "experts_pair_in":
+        return tuple(part for expert in x for part in to_hf("pair_in", expert))
+    if kind == "experts_transpose":
+        return tuple(expert.T for expert in x)
     if kind == "qkv_in":
         e, group = x.shape[0], x.shape[2] - 2
         return (x[:, :, :group].reshape(e, -1).T, x[:, :, group].reshape(e, -1).T,

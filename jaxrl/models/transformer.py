@@ -1,7 +1,8 @@
-"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3 / Mistral) as a Flax NNX module.
+"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3 / Mistral / Qwen3-MoE) as a Flax NNX
+module.
 
     x = embed[input_ids]
-    for each layer:  x += attn(rmsnorm(x));  x += mlp(rmsnorm(x))
+    for each layer:  x += attn(rmsnorm(x));  x += mlp(rmsnorm(x))   (mlp: SwiGLU, or MoE)
     logits = rmsnorm(x) @ (embed^T if tied else lm_head)
 
 Two entry points share all code: `__call__` (training/scoring: the given tokens only) and
@@ -13,7 +14,9 @@ run once per group (GRPO's rows share their prompt: its work shrinks G-fold). Wi
 compile time does not grow with depth. `remat` rematerialises each block for the backward
 pass of the uncached forward (`__call__`, `hidden_states`): it changes what is saved vs
 recomputed, never the numbers; `extend` takes no gradients and runs without it. Logits are
-always float32.
+always float32. For a mixture of experts, `hidden_states(..., router_stats=True)` (and its
+shared-prompt twin) also return the router statistics summed over layers
+(`jaxrl.models.moe.router_stats`), carried through the layers beside x.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jaxrl.models.attention_kernels import PaddedRows
 from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
 from jaxrl.models.dense import DENSE
 from jaxrl.models.layers import MLP, RMSNorm, normal, param
+from jaxrl.models.moe import MoE
 from jaxrl.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "act_kv_heads", "head_dim")
@@ -76,44 +80,63 @@ def default_positions(attention_mask_BxT: jax.Array) -> jax.Array:
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then SwiGLU MLP."""
+    """Pre-norm residual block: attention then SwiGLU MLP (or mixture of experts)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.hidden_size, "embed", config.rms_norm_eps, config)
         self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, "embed", config.rms_norm_eps, config)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MoE(config, rngs) if config.num_experts else MLP(config, rngs)
 
-    def __call__(self, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS, cache=None):
+    def __call__(self, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS, cache=None,
+                 valid_BxT=None):
+        """(x, cache); with `valid_BxT` (MoE only) ((x, router_stats_2xX), cache)."""
         h_BxTxE, cache = self.attn(self.attn_norm(x_BxTxE), positions_BxT, inv_freq_H2,
                                    mask_BxTxS, cache)
-        x_BxTxE = constrain(x_BxTxE + h_BxTxE, ("batch", "seq", "act_embed"))
-        x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
-        return constrain(x_BxTxE, ("batch", "seq", "act_embed")), cache
+        return self._mlp_residual(x_BxTxE + h_BxTxE, valid_BxT), cache
+
+    def _mlp_residual(self, x_BxTxE, valid_BxT):
+        x_BxTxE = constrain(x_BxTxE, ("batch", "seq", "act_embed"))
+        if valid_BxT is None:
+            x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
+            return constrain(x_BxTxE, ("batch", "seq", "act_embed"))
+        y_BxTxE, stats_2xX = self.mlp.with_stats(self.mlp_norm(x_BxTxE), valid_BxT)
+        return constrain(x_BxTxE + y_BxTxE, ("batch", "seq", "act_embed")), stats_2xX
 
     def shared_prompt(self, x_NxPxE, x_BxCxE, positions_NxP, positions_BxC, inv_freq_H2,
-                      mask_NxPxP, mask_BxCxS):
+                      mask_NxPxP, mask_BxCxS, valid=None):
         """The block on N prompts and their B = N·G continuations (`Attention.shared_prompt`);
-        everything but attention is per token, so it runs on each part as it is."""
+        everything but attention is per token, so it runs on each part as it is. With
+        `valid` = (valid_NxP, valid_BxC) (MoE only): ((x_p, x_c), router_stats_2xX)."""
         h_NxPxE, h_BxCxE = self.attn.shared_prompt(
             self.attn_norm(x_NxPxE), self.attn_norm(x_BxCxE), positions_NxP, positions_BxC,
             inv_freq_H2, mask_NxPxP, mask_BxCxS)
-        out = []
-        for x_BxTxE, h_BxTxE in ((x_NxPxE, h_NxPxE), (x_BxCxE, h_BxCxE)):
-            x_BxTxE = constrain(x_BxTxE + h_BxTxE, ("batch", "seq", "act_embed"))
-            x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
-            out.append(constrain(x_BxTxE, ("batch", "seq", "act_embed")))
-        return tuple(out)
+        parts = ((x_NxPxE + h_NxPxE, x_BxCxE + h_BxCxE))
+        if valid is None:
+            return tuple(self._mlp_residual(x, None) for x in parts)
+        (x_p, stats_p), (x_c, stats_c) = (self._mlp_residual(x, v)
+                                          for x, v in zip(parts, valid, strict=True))
+        return (x_p, x_c), stats_p + stats_c
 
 
-def _block_forward(remat: Remat, *, in_scan: bool, shared_prompt: bool = False):
+def _block_forward(remat: Remat, *, in_scan: bool, shared_prompt: bool = False,
+                   valid=None):
     """`block(x, positions, inv_freq, mask) -> x` (no cache), rematerialised per `remat`;
     with `shared_prompt`, `block.shared_prompt` on ((x_p, x_c), (pos_p, pos_c), inv_freq,
-    (mask_p, mask_c)) -> (x_p, x_c)."""
+    (mask_p, mask_c)) -> (x_p, x_c). With `valid` (the token weights of the router
+    statistics: valid_BxT, or (valid_NxP, valid_BxC) with `shared_prompt`), x is the pair
+    (x, router_stats_2xX summed over the layers so far)."""
     def forward(block, x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS):
+        if valid is not None:
+            x_BxTxE, stats_2xX = x_BxTxE
         if shared_prompt:
-            return block.shared_prompt(*x_BxTxE, *positions_BxT, inv_freq_H2, *mask_BxTxS)
-        return block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS)[0]
+            out = block.shared_prompt(*x_BxTxE, *positions_BxT, inv_freq_H2, *mask_BxTxS,
+                                      valid=valid)
+        else:
+            out = block(x_BxTxE, positions_BxT, inv_freq_H2, mask_BxTxS, valid_BxT=valid)[0]
+        if valid is None:
+            return out
+        return out[0], stats_2xX + out[1]
 
     if remat == "none":
         return forward
@@ -162,17 +185,36 @@ class Transformer(nnx.Module):
             positions = default_positions(attention_mask)
         return self.forward_embeddings(self.embed_tokens(input_ids), positions, attention_mask)
 
-    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *,
+                      router_stats: bool = False):
         """The final-norm hidden states [B, T, E] (compute dtype) that `__call__` projects to
-        logits with `output_embedding()`: for losses that never materialise [B, T, V]."""
+        logits with `output_embedding()`: for losses that never materialise [B, T, V].
+        With `router_stats` (MoE): (hidden, router_stats_2xX of the real tokens, summed over
+        the layers)."""
         positions = default_positions(attention_mask)
-        x_BxTxE, _ = self._layers(self.embed_tokens(input_ids), positions,
-                                  self._self_mask(attention_mask), None)
+        x_BxTxE = self.embed_tokens(input_ids)
+        if router_stats:
+            valid_BxT = self._router_valid(attention_mask)
+            x_BxTxE, stats_2xX = self._run_blocks(
+                _block_forward(self.config.remat, in_scan=self.config.scan_layers,
+                               valid=valid_BxT),
+                (x_BxTxE, self._zero_stats()), positions, self._self_mask(attention_mask))
+            return self.final_norm(x_BxTxE), stats_2xX
+        x_BxTxE, _ = self._layers(x_BxTxE, positions, self._self_mask(attention_mask), None)
         return self.final_norm(x_BxTxE)
 
+    def _router_valid(self, attention_mask_BxT):
+        if not self.config.num_experts:
+            raise ValueError(f"router_stats=True needs a mixture-of-experts model; "
+                             f"{self.config.model_type} has no router")
+        return attention_mask_BxT.astype(jnp.float32)
+
+    def _zero_stats(self):
+        return jnp.zeros((2, self.config.num_experts), jnp.float32)
+
     def hidden_states_shared_prompt(self, prompt_ids_NxP: jax.Array, prompt_mask_NxP: jax.Array,
-                                    ids_BxC: jax.Array, mask_BxC: jax.Array,
-                                    ) -> tuple[jax.Array, jax.Array]:
+                                    ids_BxC: jax.Array, mask_BxC: jax.Array, *,
+                                    router_stats: bool = False) -> tuple[jax.Array, ...]:
         """`hidden_states` of the B = N·G rows prompt[b // G] ⊕ ids[b], split as (prompt part
         [N, P, E], continuation part [B, C, E]), with each prompt run once for its G rows.
 
@@ -180,6 +222,8 @@ class Transformer(nnx.Module):
         the G rows that share it; the continuations attend over their prompt's keys and
         values. Same numbers as `hidden_states` of the concatenated rows (to float rounding:
         the prompt's gradients arrive summed over the group instead of one row at a time).
+        With `router_stats` (MoE) the router statistics are appended, a prompt's tokens
+        weighted by its G rows (the statistics of `hidden_states` of the rows).
         """
         n, b = prompt_ids_NxP.shape[0], ids_BxC.shape[0]
         if b % n:
@@ -193,10 +237,18 @@ class Transformer(nnx.Module):
         positions_BxC = default_positions(valid_BxS)[:, p:]
         masks = (causal_mask(prompt_mask_NxP, window), cache_causal_mask(valid_BxS, p, c, window))
         xs = (self.embed_tokens(prompt_ids_NxP), self.embed_tokens(ids_BxC))
-        x_NxPxE, x_BxCxE = self._run_blocks(
+        valid = None
+        if router_stats:
+            valid = (self._router_valid(prompt_mask_NxP) * (b // n), self._router_valid(mask_BxC))
+            xs = (xs, self._zero_stats())
+        out = self._run_blocks(
             _block_forward(self.config.remat, in_scan=self.config.scan_layers,
-                           shared_prompt=True),
+                           shared_prompt=True, valid=valid),
             xs, (positions_NxP, positions_BxC), masks)
+        if router_stats:
+            (x_NxPxE, x_BxCxE), stats_2xX = out
+            return self.final_norm(x_NxPxE), self.final_norm(x_BxCxE), stats_2xX
+        x_NxPxE, x_BxCxE = out
         return self.final_norm(x_NxPxE), self.final_norm(x_BxCxE)
 
     def output_embedding(self) -> jax.Array:

@@ -26,9 +26,11 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axes of parameters.
 # `qkv` and `gate_up` index the parts of a fused projection (q heads / key / value; gate /
-# up): HF stores each part as a tensor of its own. No preset shards them.
+# up): HF stores each part as a tensor of its own. No preset shards them. `expert` indexes the
+# experts of a mixture-of-experts layer (`jaxrl.models.moe`): expert parallelism maps it to
+# a mesh axis (the `fsdp_ep` preset).
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "qkv",
-              "gate_up")
+              "gate_up", "expert")
 # Logical axes of activations and of the KV cache.
 ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp",
                    "act_vocab", "cache_seq")
