@@ -75,6 +75,11 @@ class AlgoSection:
     # The trainer's forward runs each prompt once for the rows of its group that share a
     # microbatch instead of once per row (`jaxrl.step.phases.prompt_group`: same numbers).
     share_prompts: bool = True
+    # Weight of the mixture-of-experts load-balancing loss (`jaxrl.models.moe`) added to the
+    # policy loss, metric loss/router_aux; 0 (the default) skips it. transformers' default
+    # `router_aux_loss_coef` is 0.001, but it only applies it with output_router_logits
+    # (off by default): RL fine-tuning of a balanced pretrained router usually leaves it off.
+    router_aux_coef: float = 0.0
 
     def __post_init__(self):
         for name, choices in (("advantage", AdvantageEstimator), ("mode", StepMode),
@@ -98,6 +103,10 @@ class AlgoSection:
         if self.entropy_decay_start is not None and not self.loss.entropy_coef > 0:
             fail("algo", self, "entropy_decay_start",
                  "None when algo.loss.entropy_coef is 0 (there is no bonus to decay)")
+        if (isinstance(self.router_aux_coef, bool)
+                or not isinstance(self.router_aux_coef, (int, float))
+                or not math.isfinite(self.router_aux_coef) or self.router_aux_coef < 0):
+            fail("algo", self, "router_aux_coef", "a finite number >= 0")
         for name in ("mask_zero_std_groups", "share_prompts"):
             if not isinstance(getattr(self, name), bool):
                 fail("algo", self, name, "a bool")

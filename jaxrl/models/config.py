@@ -39,6 +39,13 @@ AttentionImpl = Literal["auto", "xla", "cudnn", "splash"]
 # the weight matmul outputs and recomputes the cheap rest (norms, RoPE, activations,
 # attention scores and softmax).
 Remat = Literal["none", "block", "save_dots"]
+# How a mixture of experts multiplies tokens by their experts (`jaxrl.models.moe`):
+# "ragged_dot" sorts the assignments by expert and runs one `jax.lax.ragged_dot` per
+# projection; "gather" gathers each assignment's expert weights ([N·k, E, F]: memory grows
+# with the tokens), whose HLO holds exactly the routed experts' FLOPs: the FLOP accounting
+# compiles with it (`jaxrl.step.accounting`), since XLA's CPU lowering of ragged_dot is a
+# masked dense dot over all experts and is counted so.
+MoeDispatch = Literal["ragged_dot", "gather"]
 
 
 class UnsupportedModelError(ValueError):
@@ -90,6 +97,7 @@ class ModelConfig:
     scan_layers: bool = False
     attention_impl: AttentionImpl = "auto"
     remat: Remat = "none"
+    moe_dispatch: MoeDispatch = "ragged_dot"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -120,6 +128,9 @@ class ModelConfig:
         if self.remat not in get_args(Remat):
             raise ValueError(f"remat {self.remat!r} is not supported; expected one of "
                              f"{', '.join(map(repr, get_args(Remat)))}")
+        if self.moe_dispatch not in get_args(MoeDispatch):
+            raise ValueError(f"moe_dispatch {self.moe_dispatch!r} is not supported; expected "
+                             f"one of {', '.join(map(repr, get_args(MoeDispatch)))}")
         if self.attention_impl not in get_args(AttentionImpl):
             raise ValueError(f"attention_impl {self.attention_impl!r} is not supported; expected "
                              f"one of {', '.join(map(repr, get_args(AttentionImpl)))}")

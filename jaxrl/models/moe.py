@@ -54,6 +54,7 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.dtype = config.compute_dtype
+        self.dispatch = dispatch if config.moe_dispatch == "ragged_dot" else gather_dispatch
 
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
         return self.with_stats(x_BxTxE, None)[0]
@@ -75,7 +76,7 @@ class MoE(nnx.Module):
         dt = self.dtype
         x_NxE = x_BxTxE.reshape(b * t, e)
         weights_NxK, experts_NxK, probs_NxX = self.route(x_NxE)
-        y_NxE = dispatch(x_NxE, weights_NxK, experts_NxK, self.gate_up[...].astype(dt),
+        y_NxE = self.dispatch(x_NxE, weights_NxK, experts_NxK, self.gate_up[...].astype(dt),
                          self.down[...].astype(dt))
         y_BxTxE = constrain(y_NxE.reshape(b, t, e), ("batch", "seq", "act_embed"))
         if valid_BxT is None:
@@ -99,6 +100,17 @@ def dispatch(x_NxE: jax.Array, weights_NxK: jax.Array, experts_NxK: jax.Array,
     out_MxE = jax.lax.ragged_dot(jax.nn.silu(gate_MxF) * up_MxF, down_XxFxE, group_sizes_X)
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype))
     out_NxKxE = out_MxE[inverse_M].reshape(n, k, e)
+    return jnp.einsum("nke,nk->ne", out_NxKxE, weights_NxK)
+
+
+def gather_dispatch(x_NxE: jax.Array, weights_NxK: jax.Array, experts_NxK: jax.Array,
+                    gate_up_XxEx2xF: jax.Array, down_XxFxE: jax.Array) -> jax.Array:
+    """`dispatch` with each assignment's expert weights gathered: the same numbers, and an
+    HLO whose dots are exactly the routed experts' (2·N·k·3·E·F FLOPs), for FLOP counting."""
+    gate_up_NxKxEx2xF = gate_up_XxEx2xF[experts_NxK]
+    gate_up_NxKx2xF = jnp.einsum("ne,nkecf->nkcf", x_NxE, gate_up_NxKxEx2xF)
+    h_NxKxF = jax.nn.silu(gate_up_NxKx2xF[:, :, 0]) * gate_up_NxKx2xF[:, :, 1]
+    out_NxKxE = jnp.einsum("nkf,nkfe->nke", h_NxKxF, down_XxFxE[experts_NxK])
     return jnp.einsum("nke,nk->ne", out_NxKxE, weights_NxK)
 
 

@@ -4,6 +4,8 @@ Counting matmuls only (2 FLOPs per multiply-add), for a decoder with L layers, h
 n query / k kv heads of size d, MLP width F and vocabulary V:
 
     N_layer   = E·d·(2n + 2k) + 3·E·F                 matmul weights of one layer
+                (a mixture of X experts, k_e per token, of width F_e: 3·E·F becomes
+                 k_e·3·E·F_e + E·X, the routed experts and the router: active weights only)
     forward   = 2·L·N_layer per token                  (the "2·N per token")
               + 4·L·n·d·S per token                    attention: q·kᵀ and p·v over S keys
               + 2·E·V per projected position           the vocabulary projection
@@ -25,9 +27,10 @@ from jaxrl.models import ModelConfig
 
 
 def layer_matmul_params(config: ModelConfig) -> int:
-    """N_layer: the weights of one decoder layer that take part in matmuls."""
+    """N_layer: the weights of one decoder layer that take part in a token's matmuls."""
     e, d = config.hidden_size, config.head_dim
-    return e * d * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * e * config.intermediate_size
+    attention = e * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+    return attention + config.mlp_params(active=True)
 
 
 def forward_flops(config: ModelConfig, rows: int, tokens: int, keys: int,

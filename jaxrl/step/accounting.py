@@ -203,9 +203,12 @@ class _Phases:
         self.algo = dataclasses.replace(algo, logprob_chunk_size=chunk_size)
         self.sampler, self.shapes, self.trips = sampler, shapes, trips
         # XLA's own attention: the same FLOPs as a cuDNN kernel, which the host cannot compile
-        # (and whose custom call cost analysis would count as nothing).
+        # (and whose custom call cost analysis would count as nothing). Experts by gathered
+        # weights: the routed experts' FLOPs only, where the host's ragged_dot would count
+        # every expert (`ModelConfig.moe_dispatch`).
         config = dataclasses.replace(model_config, scan_layers=False, remat=remat,
-                                     num_layers=num_layers, attention_impl="xla")
+                                     num_layers=num_layers, attention_impl="xla",
+                                     moe_dispatch="gather")
         self.graphdef, params = nnx.split(
             nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
         self.params = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params)

@@ -60,6 +60,7 @@ from jaxrl.rl import (
 )
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding.rules import active_rules, constrain
+from jaxrl.step.router_aux import add_router_aux, uses_router_aux
 from jaxrl.step.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -149,8 +150,10 @@ def prompt_group(cfg: AlgoSection, model_config: ModelConfig, group_size: int, r
 
 def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
                          chunk_size: int | str | None = None, *, unroll: bool = False,
-                         prompt_group: int = 1) -> tuple[jax.Array, jax.Array]:
-    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
+                         prompt_group: int = 1, router_stats: bool = False,
+                         ) -> tuple[jax.Array, ...]:
+    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix;
+    with `router_stats` (MoE), (logp_BxC, entropy_BxC, router_stats_2xX) of the rows.
 
     Only the C positions that predict completion tokens are projected onto the vocabulary.
     With `chunk_size` ("auto": `resolve_logprob_chunk`) the projection runs
@@ -168,20 +171,23 @@ def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
     # at P - 1 + i.
     if prompt_group > 1:
         p, g = ids_BxT.shape[1] - c, prompt_group
-        prompt_NxPxE, completion_BxCxE = model.hidden_states_shared_prompt(
-            ids_BxT[::g, :p], mask_BxT[::g, :p], ids_BxT[:, p:], mask_BxT[:, p:])
+        prompt_NxPxE, completion_BxCxE, *stats = model.hidden_states_shared_prompt(
+            ids_BxT[::g, :p], mask_BxT[::g, :p], ids_BxT[:, p:], mask_BxT[:, p:],
+            router_stats=router_stats)
         hidden_BxCxE = jnp.concatenate([jnp.repeat(prompt_NxPxE[:, -1:], g, axis=0),
                                         completion_BxCxE[:, :-1]], axis=1)
     else:
-        hidden_BxCxE = model.hidden_states(ids_BxT, mask_BxT)[:, -c - 1:-1]
+        out = model.hidden_states(ids_BxT, mask_BxT, router_stats=router_stats)
+        hidden_BxTxE, stats = (out[0], out[1:]) if router_stats else (out, ())
+        hidden_BxCxE = hidden_BxTxE[:, -c - 1:-1]
     if chunk_size is not None:
-        return chunked_log_probs_and_entropy(
+        return (*chunked_log_probs_and_entropy(
             hidden_BxCxE, model.output_embedding(), targets_BxC, temperature=temperature,
-            chunk_size=chunk_size, unroll=unroll)
+            chunk_size=chunk_size, unroll=unroll), *stats)
     logits_BxCxV = constrain(dense(hidden_BxCxE, model.output_embedding(), "bce,ev->bcv",
                                    jnp.float32), ("batch", "seq", "act_vocab"))
     return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
-            token_entropy(logits_BxCxV, temperature))
+            token_entropy(logits_BxCxV, temperature), *stats)
 
 
 def _split(x: jax.Array, n: int) -> jax.Array:
@@ -242,17 +248,22 @@ def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: 
     ones (without them, the step's only update: old = stop_gradient(new)); `entropy_coef`:
     this update's (`entropy_coef_at`), None: algo.loss.entropy_coef; `prompt_group`: see
     `completion_log_probs`."""
-    logp_BxC, entropy_BxC = completion_log_probs(model, mb, temperature,
-                                                 cfg.logprob_chunk_size, unroll=unroll,
-                                                 prompt_group=prompt_group)
+    aux = uses_router_aux(cfg.router_aux_coef, model.config)
+    logp_BxC, entropy_BxC, *stats = completion_log_probs(
+        model, mb, temperature, cfg.logprob_chunk_size, unroll=unroll,
+        prompt_group=prompt_group, router_stats=aux)
     old_logp_BxC = mb.get("old_logp_BxC")
     if old_logp_BxC is None:  # one update per step: this forward is the old policy's
         old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
-    return policy_loss(
+    loss, metrics = policy_loss(
         logp_BxC, old_logp_BxC, mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
         ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
         entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
         num_tokens=num_tokens, num_seqs=num_seqs, entropy_coef=entropy_coef)
+    if aux:  # + algo.router_aux_coef x the load-balancing loss (jaxrl.step.router_aux)
+        loss, metrics = add_router_aux(cfg.router_aux_coef, model.config, stats[0], mb,
+                                       num_tokens, loss, metrics)
+    return loss, metrics
 
 
 def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float, *,

@@ -21,7 +21,7 @@ from jaxrl.models import (
     from_pretrained,
     save_pretrained,
 )
-from jaxrl.models.moe import MoE, dispatch, load_balancing_loss, router_stats
+from jaxrl.models.moe import MoE, dispatch, gather_dispatch, load_balancing_loss, router_stats
 from jaxrl.sharding import AxisRules
 from tests.conftest import make_tiny_config
 from tests.models.test_hf_io import (
@@ -55,9 +55,9 @@ def test_dispatch_matches_a_loop_over_tokens_and_their_experts():
             w = experts_NxK[i, j]
             g, u = x_NxE[i] @ gate_up[w, :, 0], x_NxE[i] @ gate_up[w, :, 1]
             want[i] += weights_NxK[i, j] * ((g / (1 + np.exp(-g)) * u) @ down[w])
-    got = dispatch(jnp.asarray(x_NxE), jnp.asarray(weights_NxK), jnp.asarray(experts_NxK),
-                   jnp.asarray(gate_up), jnp.asarray(down))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    args = tuple(map(jnp.asarray, (x_NxE, weights_NxK, experts_NxK, gate_up, down)))
+    np.testing.assert_allclose(np.asarray(dispatch(*args)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gather_dispatch(*args)), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", [False, True])

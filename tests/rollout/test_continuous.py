@@ -305,9 +305,10 @@ def test_the_pool_is_updated_in_place(slots, min_slots):
     assert pool in hlo and not copies, copies
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
 def test_engine_matches_the_reference_for_every_family(family):
-    """q/k/v biases (qwen2), q/k norms (qwen3), a sliding window (mistral)."""
+    """q/k/v biases (qwen2), q/k norms (qwen3), a sliding window (mistral), a mixture of
+    experts routed per token in the paged decode (qwen3_moe)."""
     from tests.rollout.test_sampler import T07, sampler
 
     graphdef, state = policy(family, "float32")

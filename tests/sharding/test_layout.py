@@ -19,6 +19,7 @@ from jaxrl.sharding.rules import LOGICAL_AXES, PARAM_AXES, AxisRules
 PRESETS = {
     "single": (1, (1, 1, 1)),
     "fsdp": (8, (1, 8, 1)),
+    "fsdp_ep": (8, (1, 8, 1)),
     "fsdp_tp": (8, (1, 4, 2)),
     "dp_fsdp_tp": (8, (2, 2, 2)),
 }
