@@ -15,7 +15,7 @@ from typing import Literal
 from jaxrl.config.load import fail, require_at_least
 
 DType = Literal["float32", "bfloat16", "float16"]
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,12 @@ class InitSection:
     tie_word_embeddings: bool = True
     rope_theta: float = 10_000.0
     vocab_size: int | None = None  # null: the tokenizer's; larger: extra rows (benchmarks)
+    # qwen3_moe only: every layer's MLP is num_experts experts of width moe_intermediate_size,
+    # num_experts_per_tok of them per token (jaxrl.models.moe).
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if not self.rope_theta > 0:
@@ -60,6 +66,13 @@ class InitSection:
         if self.num_heads % self.num_kv_heads:
             fail("model.init", self, "num_heads",
                  f"a multiple of num_kv_heads={self.num_kv_heads}")
+        require_at_least("model.init", self, ("num_experts", "num_experts_per_tok",
+                                               "moe_intermediate_size"))
+        if self.num_experts_per_tok > self.num_experts:
+            fail("model.init", self, "num_experts_per_tok",
+                 f"at most num_experts={self.num_experts}")
+        if not isinstance(self.norm_topk_prob, bool):
+            fail("model.init", self, "norm_topk_prob", "a bool")
 
 
 @dataclasses.dataclass(frozen=True)

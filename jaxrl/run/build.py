@@ -247,6 +247,15 @@ def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
             make_mesh(rollout_layout, rollout_devices))
 
 
+def _init_moe(init) -> dict[str, int | bool]:
+    """The mixture-of-experts fields of a random `model.init` policy (qwen3_moe only)."""
+    if init.family != "qwen3_moe":
+        return {}
+    return dict(num_experts=init.num_experts, num_experts_per_tok=init.num_experts_per_tok,
+                moe_intermediate_size=init.moe_intermediate_size,
+                norm_topk_prob=init.norm_topk_prob)
+
+
 def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path: Path,
                 mesh: Mesh, layout: Layout) -> Path:
     """A random `model.init` policy for `tokenizer`, saved with it in HF format at `path`."""
@@ -264,9 +273,9 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
         max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
         tie_word_embeddings=init.tie_word_embeddings, rope_theta=init.rope_theta,
         qkv_bias=init.family == "qwen2",
-        qk_norm=init.family == "qwen3", bos_token_id=tokenizer.bos_token_id,
+        qk_norm=init.family in ("qwen3", "qwen3_moe"), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, param_dtype=dtype,
-        compute_dtype=cfg.model.compute_dtype or dtype)
+        compute_dtype=cfg.model.compute_dtype or dtype, **_init_moe(init))
     _check_init_fits(cfg, config, mesh)
     model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
                            layout.train_rules)

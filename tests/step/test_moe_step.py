@@ -47,7 +47,7 @@ def test_router_aux_term_is_the_coefficient_times_the_load_balancing_loss():
     aux = load_balancing_loss(stats, MOE.num_layers, jnp.sum(mb["mask_BxT"]))
     assert "loss/router_aux" not in metrics0
     assert float(metrics["loss/router_aux"]) == pytest.approx(float(aux), rel=1e-6)
-    assert float(aux) >= 1.0  # X · sum f·P >= 1, equality only for a perfect balance
+    assert float(aux) > 1.0  # about k = 2 for a balanced router (0: the term is missing)
     assert float(loss - loss0) == pytest.approx(0.05 * float(aux), rel=1e-4)
 
     # The router's gradient gets the aux term's: zero advantages leave only it.
@@ -102,7 +102,7 @@ def test_expert_parallel_step_matches_single_device():
     _assert_close(ep, single)
     assert ep_metrics["loss/router_aux"] == pytest.approx(single_metrics["loss/router_aux"],
                                                           rel=1e-5)
-    assert single_metrics["loss/router_aux"] >= 1.0
+    assert single_metrics["loss/router_aux"] > 1.0
     # The experts stay split by expert over fsdp in the donated state.
     layer = nnx.merge(nnx.graphdef(state), state).model.layers[0]
     assert layer.mlp.gate_up.get_value().sharding.spec[0] == "fsdp"

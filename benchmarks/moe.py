@@ -1,0 +1,98 @@
+"""A mixture-of-experts GRPO step on 8 CPU devices, with and without expert parallelism.
+
+    python benchmarks/moe.py [--steps 12] [--rounds 2] [--experts 16] [--top-k 2] [--json]
+
+Runs `jaxrl train configs/quickstart.yaml` with a random qwen3_moe policy (model.init:
+hidden 128, 4 layers, `--experts` experts of width 128, `--top-k` per token; 16 prompts x 8
+samples x 8 new tokens, 2 updates per step, router_aux_coef 0.001) on the 8 host devices, once with the `fsdp` preset (every expert split along embed over fsdp, as dense
+weights are) and once with `fsdp_ep` (the experts split by expert over fsdp: each device
+holds whole experts), interleaved for `--rounds` rounds so that the machine's drift hits
+both alike. Per run, the median over the steps after the first two (compiles) of
+time/step_s, time/generate_s and time/train_s (perf.phase_times=true), and the parameters'
+bytes per device. The 8 devices share this machine's cores: the comparison is of what XLA
+makes of each layout (collectives, copies), not of accelerator bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from jaxrl.run.metrics_log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["perf.phase_times=true", "perf.count_flops=false", "eval.num_prompts=0",
+       "log.plot=false", "log.tensorboard=false", "train.checkpoint_every=0",
+       "train.save_final=false", "log.print_every=1000", "data.curriculum=none",
+       "model.init.family=qwen3_moe", "model.init.hidden_size=128", "model.init.num_layers=4",
+       "model.init.moe_intermediate_size=128", "model.init.tie_word_embeddings=false",
+       "algo.router_aux_coef=0.001", "rollout.max_new_tokens=8", "data.batch_size=16",
+       "algo.num_minibatches=2", "algo.num_iterations=1"]
+NAMES = ("step_s", "generate_s", "train_s")
+SKIP = 2  # the first steps compile
+LAYOUTS = ("fsdp", "fsdp_ep")
+
+
+def run(layout: str, steps: int, run_dir: Path, experts: int, top_k: int) -> dict:
+    """One training run's medians of NAMES."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    command = [sys.executable, "-m", "jaxrl.cli", "train", "configs/quickstart.yaml",
+               f"train.max_steps={steps}", f"train.run_dir={run_dir}", *RUN,
+               f"sharding.layout={layout}", f"model.init.num_experts={experts}",
+               f"model.init.num_experts_per_tok={top_k}"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{layout} failed:\n{done.stderr[-3000:]}")
+    records = read_metrics(run_dir / "metrics.jsonl")[SKIP:]
+    out: dict = {"layout": layout}
+    for key in NAMES:
+        out[key] = float(np.median([r[f"time/{key}"] for r in records]))
+    out["router_aux"] = float(np.mean([r["loss/router_aux"] for r in records]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.steps <= SKIP:
+        parser.error(f"--steps must be more than {SKIP}")
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            rounds.append([run(layout, args.steps, Path(tmp) / f"{i}-{layout}", args.experts,
+                               args.top_k) for layout in LAYOUTS])
+    results = []
+    for j, layout in enumerate(LAYOUTS):
+        per_round = [r[j] for r in rounds]
+        merged = {"layout": layout, "rounds": args.rounds,
+                  "step_s_range": [min(r["step_s"] for r in per_round),
+                                   max(r["step_s"] for r in per_round)]}
+        for key in (*NAMES, "router_aux"):
+            merged[key] = float(np.median([r[key] for r in per_round]))
+        results.append(merged)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return
+    print(f"{'layout':<10}" + "".join(f"{n:>14}" for n in NAMES) + f"{'router_aux':>12}"
+          + "  step_s range")
+    for r in results:
+        low, high = r["step_s_range"]
+        print(f"{r['layout']:<10}" + "".join(f"{r[n] * 1e3:>11.1f} ms" for n in NAMES)
+              + f"{r['router_aux']:>12.3f}  {low * 1e3:.0f}-{high * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
