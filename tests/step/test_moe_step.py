@@ -37,13 +37,19 @@ def _batch(rows=4, p=5, c=3, seed=0):
 
 
 def test_router_aux_term_is_the_coefficient_times_the_load_balancing_loss():
-    model = Transformer(MOE, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(Transformer(MOE, rngs=nnx.Rngs(0)))
     mb = _batch()
     num_tokens = jnp.sum(mb["loss_mask_BxC"])
     off = dataclasses.replace(AUX, router_aux_coef=0.0)
-    loss0, metrics0 = microbatch_loss(off, model, mb, num_tokens, jnp.int32(4), 1.0)
-    loss, metrics = microbatch_loss(AUX, model, mb, num_tokens, jnp.int32(4), 1.0)
-    _, stats = model.hidden_states(mb["ids_BxT"], mb["mask_BxT"], router_stats=True)
+
+    def loss_fn(cfg):
+        return jax.jit(lambda state, mb: microbatch_loss(
+            cfg, nnx.merge(graphdef, state), mb, num_tokens, jnp.int32(4), 1.0))
+
+    loss0, metrics0 = loss_fn(off)(state, mb)
+    loss, metrics = loss_fn(AUX)(state, mb)
+    _, stats = jax.jit(lambda state: nnx.merge(graphdef, state).hidden_states(
+        mb["ids_BxT"], mb["mask_BxT"], router_stats=True))(state)
     aux = load_balancing_loss(stats, MOE.num_layers, jnp.sum(mb["mask_BxT"]))
     assert "loss/router_aux" not in metrics0
     assert float(metrics["loss/router_aux"]) == pytest.approx(float(aux), rel=1e-6)
@@ -54,8 +60,7 @@ def test_router_aux_term_is_the_coefficient_times_the_load_balancing_loss():
     mb["adv_B"] = jnp.zeros_like(mb["adv_B"])
 
     def router_grad(cfg):
-        grads = nnx.grad(lambda m: microbatch_loss(cfg, m, mb, num_tokens, jnp.int32(4), 1.0)[0])(
-            model)
+        grads = jax.jit(jax.grad(lambda state: loss_fn(cfg)(state, mb)[0]))(state)
         return np.asarray(grads["layers"][0]["mlp"]["router"][...])
 
     assert np.abs(router_grad(off)).max() == 0
