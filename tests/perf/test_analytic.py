@@ -34,3 +34,11 @@ def test_phases_use_the_shapes_the_programs_compute():
         CONFIG, 5, p + c, p + c, c)
     assert analytic.grad_flops(CONFIG, 5, p, c) == pytest.approx(
         3 * analytic.logprob_flops(CONFIG, 5, p, c))
+
+
+def test_a_mixture_of_experts_counts_the_routed_experts_and_the_router():
+    moe = ModelConfig(model_type="qwen3_moe", vocab_size=10, hidden_size=8, intermediate_size=16,
+                      num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True,
+                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=5)
+    # attention as above (192); 2 routed experts x 3 x 8 x 5 = 240; router 8 x 6 = 48
+    assert analytic.layer_matmul_params(moe) == 192 + 240 + 48
