@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 from jaxrl.models.config import tiny_config as make_tiny_config  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
 """Architecture of a decoder-only transformer, and its translation to and from HF `config.json`.
 
-One frozen dataclass covers the Llama 3.x, Qwen2/2.5, Qwen3, Mistral and Qwen3-MoE families;
-they differ only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied embeddings,
-and for `qwen3_moe` a mixture of `num_experts` SwiGLU experts in place of the MLP,
-`jaxrl.models.moe`). Runtime choices
+One frozen dataclass covers the Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE and Mixtral
+families; they differ only in a few switches (q/k/v bias, q/k RMSNorm, rope scaling, tied
+embeddings, and for `qwen3_moe`/`mixtral` a mixture of `num_experts` SwiGLU experts in place
+of the MLP, `jaxrl.models.moe`; Mixtral is Mistral's attention with experts whose top-k
+weights are always renormalised). Runtime choices
 that are not part of the checkpoint (parameter dtype, compute dtype, layer scan, attention
 kernel, activation rematerialisation) live here too so one object builds a model.
 """
@@ -19,7 +20,8 @@ import jax.numpy as jnp
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -27,6 +29,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -66,7 +69,7 @@ class RopeScaling:
 class ModelConfig:
     """Decoder architecture plus the runtime policy (dtypes, scan, attention kernel, remat)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -85,7 +88,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    # Mixture of experts (qwen3_moe): every layer's MLP is `num_experts` SwiGLU experts of
+    # Mixture of experts (qwen3_moe, mixtral): every layer's MLP is `num_experts` SwiGLU experts of
     # width `moe_intermediate_size`, `num_experts_per_tok` of them per token; 0: dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -114,11 +117,11 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
             )
-        moe = self.model_type == "qwen3_moe"
+        moe = self.model_type in MOE_MODEL_TYPES
         if moe != (self.num_experts > 0):
             raise UnsupportedModelError(
                 f"num_experts={self.num_experts} with model_type {self.model_type!r}: "
-                f"expected num_experts > 0 exactly for qwen3_moe")
+                f"expected num_experts > 0 exactly for {' and '.join(MOE_MODEL_TYPES)}")
         if moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise ValueError(f"num_experts_per_tok must be in 1..num_experts={self.num_experts}, "
                              f"got {self.num_experts_per_tok}")
@@ -179,7 +182,8 @@ class ModelConfig:
             raise UnsupportedModelError("mlp_bias=true is not supported (no family we cover uses it)")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
-        moe = _moe_fields(hf) if model_type == "qwen3_moe" else {}
+        moe = {"qwen3_moe": _moe_fields, "mixtral": _mixtral_fields}.get(model_type,
+                                                                          lambda hf: {})(hf)
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
@@ -188,7 +192,7 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = attention_bias
         sliding_window = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             sliding_window = hf.get("sliding_window")
         elif hf.get("use_sliding_window"):
             raise UnsupportedModelError(
@@ -258,14 +262,22 @@ class ModelConfig:
                                **dataclasses.asdict(self.rope_scaling)}
             hf["rope_scaling"] = dict(rope_parameters)
         hf["rope_parameters"] = rope_parameters
-        if self.model_type != "qwen2":
+        if self.model_type == "mixtral" and (self.qkv_bias or self.o_bias
+                                             or not self.norm_topk_prob):
+            raise UnsupportedModelError("mixtral has no attention biases and always "
+                                        "renormalises its top-k router weights")
+        if self.model_type not in ("qwen2", "mixtral"):
             hf["attention_bias"] = self.qkv_bias
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             hf["use_sliding_window"] = False
             hf["sliding_window"] = None
-        if self.num_experts:
+        if self.model_type == "mixtral":
+            hf.update(num_local_experts=self.num_experts,
+                      num_experts_per_tok=self.num_experts_per_tok,
+                      intermediate_size=self.moe_intermediate_size, router_jitter_noise=0.0)
+        elif self.num_experts:
             hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                       moe_intermediate_size=self.moe_intermediate_size,
                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
@@ -293,6 +305,9 @@ def tiny_config(model_type: str, **overrides: Any) -> ModelConfig:
                       moe_intermediate_size=16, norm_topk_prob=True)
     elif model_type == "mistral":
         fields.update(sliding_window=4)
+    elif model_type == "mixtral":
+        fields.update(num_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                      moe_intermediate_size=16, norm_topk_prob=True)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -315,6 +330,16 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
                 moe_intermediate_size=hf["moe_intermediate_size"],
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _mixtral_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a mixtral `config.json` (experts of width
+    intermediate_size; top-k weights always renormalised)."""
+    if hf.get("router_jitter_noise"):
+        raise UnsupportedModelError(f"mixtral with router_jitter_noise="
+                                    f"{hf['router_jitter_noise']} is not supported; expected 0")
+    return dict(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
 
 
 def _token_ids(value: Any) -> int | tuple[int, ...] | None:

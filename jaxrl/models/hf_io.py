@@ -99,7 +99,8 @@ def from_pretrained(
     with ExitStack() as stack:
         checkpoint = _Checkpoint(path, stack)
         variables = nnx.to_flat_state(abstract)
-        names = [hf_names.param_name(p, config.num_layers, config.num_experts) for p, _ in variables]
+        names = [hf_names.param_name(p, config.num_layers, config.num_experts,
+                                      config.model_type) for p, _ in variables]
         # Check every tensor before reading any, so a bad checkpoint fails fast.
         for name, (_, variable) in zip(names, variables, strict=True):
             shape = variable.shape[1:] if name.stacked else variable.shape
@@ -135,7 +136,8 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     shard_bytes = 0
     total_bytes = 0
     for p, variable in variables:
-        name = hf_names.param_name(p, config.num_layers, config.num_experts)
+        name = hf_names.param_name(p, config.num_layers, config.num_experts,
+                                      config.model_type)
         shape = variable.shape[1:] if name.stacked else variable.shape
         part_shapes = hf_names.hf_shapes(name.kind, shape)
         for parts in name.hf_names():
@@ -168,7 +170,8 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     pending: dict[str, np.ndarray] = {}
     done = 0
     for p, variable in variables:
-        name = hf_names.param_name(p, config.num_layers, config.num_experts)
+        name = hf_names.param_name(p, config.num_layers, config.num_experts,
+                                      config.model_type)
         x = _to_host(variable.get_value()).astype(dtype)
         per_layer = list(x) if name.stacked else [x]
         for parts, array in zip(name.hf_names(), per_layer, strict=True):

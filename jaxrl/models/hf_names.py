@@ -9,8 +9,9 @@ axis split out, and fuse what runs on the same input into one kernel (one larger
     qkv_bias   [K, G+2, H]     from the three biases the same way
     o_kernel   [N, H, E]       from o_proj [E, N*H]
     gate_up    [E, 2, F]       from gate_proj [F, E] and up_proj [F, E]
-    MoE (qwen3_moe), stored per expert x as the hub checkpoints are (transformers fuses
-    them on load with its conversion mapping and splits them again on save):
+    MoE, stored per expert x as the hub checkpoints are (transformers fuses them on load
+    with its conversion mapping and splits them again on save); qwen3_moe names (mixtral:
+    block_sparse_moe.gate, block_sparse_moe.experts.{x}.w1 / w3 / w2):
     router     [E, X]          from mlp.gate.weight [X, E]
     gate_up    [X, E, 2, F]    from mlp.experts.{x}.gate_proj / up_proj [F, E]
     down       [X, F, E]       from mlp.experts.{x}.down_proj [E, F]
@@ -51,13 +52,21 @@ _LAYER = {
     ("attn", "k_norm", "scale"): (("self_attn.k_norm.weight",), "copy"),
     ("mlp", "gate_up"): (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "pair_in"),
     ("mlp", "down"): (("mlp.down_proj.weight",), "transpose"),
-    ("mlp", "router"): (("mlp.gate.weight",), "transpose"),
 }
-# Mixture-of-experts kernels: one HF tensor per expert (and per gate/up part).
+# Mixture-of-experts parameters by family: one HF tensor per expert (and per gate/up part).
 _EXPERTS = {
-    ("mlp", "gate_up"): (("mlp.experts.{x}.gate_proj.weight", "mlp.experts.{x}.up_proj.weight"),
-                         "experts_pair_in"),
-    ("mlp", "down"): (("mlp.experts.{x}.down_proj.weight",), "experts_transpose"),
+    "qwen3_moe": {
+        ("mlp", "router"): (("mlp.gate.weight",), "transpose"),
+        ("mlp", "gate_up"): (("mlp.experts.{x}.gate_proj.weight",
+                              "mlp.experts.{x}.up_proj.weight"), "experts_pair_in"),
+        ("mlp", "down"): (("mlp.experts.{x}.down_proj.weight",), "experts_transpose"),
+    },
+    "mixtral": {  # w1: gate, w3: up, w2: down
+        ("mlp", "router"): (("block_sparse_moe.gate.weight",), "transpose"),
+        ("mlp", "gate_up"): (("block_sparse_moe.experts.{x}.w1.weight",
+                              "block_sparse_moe.experts.{x}.w3.weight"), "experts_pair_in"),
+        ("mlp", "down"): (("block_sparse_moe.experts.{x}.w2.weight",), "experts_transpose"),
+    },
 }
 
 Index = tuple[slice, ...]
@@ -85,9 +94,10 @@ class ParamName:
         return [tuple(f"model.layers.{i}.{t}" for t in self.templates) for i in self.layers]
 
 
-def param_name(path: tuple[str | int, ...], num_layers: int, num_experts: int = 0) -> ParamName:
+def param_name(path: tuple[str | int, ...], num_layers: int, num_experts: int = 0,
+               model_type: str = "") -> ParamName:
     """The HF name(s) of the variable at NNX state `path` (`layers.3.attn.q_kernel` ...);
-    `num_experts` > 0: the MLP is a mixture of that many experts."""
+    `num_experts` > 0: the MLP is a mixture of that many experts, named as `model_type`'s."""
     if path in _TOP:
         return ParamName(*_TOP[path], layers=None, stacked=False)
     if path[0] == "layers":
@@ -95,10 +105,11 @@ def param_name(path: tuple[str | int, ...], num_layers: int, num_experts: int = 
             layers, stacked, inner = (path[1],), False, path[2:]
         else:
             layers, stacked, inner = tuple(range(num_layers)), True, path[1:]
-        if num_experts and inner in _EXPERTS:
-            templates, kind = _EXPERTS[inner]
-            per_expert = tuple(t.format(x=x) for x in range(num_experts) for t in templates)
-            return ParamName(per_expert, kind, layers=layers, stacked=stacked)
+        if num_experts and inner in _EXPERTS[model_type]:
+            templates, kind = _EXPERTS[model_type][inner]
+            if kind.startswith("experts_"):
+                templates = tuple(t.format(x=x) for x in range(num_experts) for t in templates)
+            return ParamName(templates, kind, layers=layers, stacked=stacked)
         if inner in _LAYER:
             return ParamName(*_LAYER[inner], layers=layers, stacked=stacked)
     raise KeyError(f"no HF name known for parameter {'.'.join(map(str, path))}")

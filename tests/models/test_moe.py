@@ -35,10 +35,22 @@ from tests.models.test_hf_io import (
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf_qwen3_moe")
-    _hf_model("qwen3_moe").save_pretrained(path, safe_serialization=True)
-    return path
+def checkpoints(tmp_path_factory):
+    """Factory: the directory of a random-init HF MoE model of `family`, saved by transformers."""
+    made = {}
+
+    def make(family):
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(f"hf_{family}")
+            _hf_model(family).save_pretrained(made[family], safe_serialization=True)
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(checkpoints):
+    return checkpoints("qwen3_moe")
 
 
 def test_dispatch_matches_a_loop_over_tokens_and_their_experts():
@@ -110,8 +122,10 @@ def test_load_balancing_loss_matches_transformers(moe_checkpoint):
     assert float(got) == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_save_load_round_trip_with_transformers(scan_layers, moe_checkpoint, tmp_path):
+@pytest.mark.parametrize("family, scan_layers", [("qwen3_moe", False), ("qwen3_moe", True),
+                                                 ("mixtral", True)])
+def test_save_load_round_trip_with_transformers(family, scan_layers, checkpoints, tmp_path):
+    moe_checkpoint = checkpoints(family)
     ours = from_pretrained(moe_checkpoint, scan_layers=scan_layers)
     save_pretrained(ours, tmp_path)
     # Per-expert tensors, as the hub checkpoints and transformers' own save.
@@ -143,13 +157,14 @@ def test_load_sharded_by_expert(scan_layers, moe_checkpoint):
                                rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"mlp_only_layers": [1]}, "mlp_only_layers"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+@pytest.mark.parametrize("family, change, field", [
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
 ])
-def test_unsupported_moe_layouts_are_refused_by_field(change, field):
-    hf = {**make_tiny_config("qwen3_moe").to_hf(), **change}
+def test_unsupported_moe_layouts_are_refused_by_field(family, change, field):
+    hf = {**make_tiny_config(family).to_hf(), **change}
     with pytest.raises(UnsupportedModelError, match=field):
         ModelConfig.from_hf(hf)
 
@@ -159,6 +174,10 @@ def test_config_round_trips_through_config_json():
     assert ModelConfig.from_hf(json.loads(json.dumps(config.to_hf()))) == config
     hf = transformers.AutoConfig.for_model(**config.to_hf())
     assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (8, 2, 16)
+    mixtral = make_tiny_config("mixtral")
+    assert ModelConfig.from_hf(json.loads(json.dumps(mixtral.to_hf()))) == mixtral
+    hf = transformers.AutoConfig.for_model(**mixtral.to_hf())
+    assert (hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size) == (4, 2, 16)
 
 
 def test_active_parameters_count_only_the_routed_experts():
