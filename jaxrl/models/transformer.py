@@ -111,7 +111,7 @@ class Block(nnx.Module):
         h_NxPxE, h_BxCxE = self.attn.shared_prompt(
             self.attn_norm(x_NxPxE), self.attn_norm(x_BxCxE), positions_NxP, positions_BxC,
             inv_freq_H2, mask_NxPxP, mask_BxCxS)
-        parts = ((x_NxPxE + h_NxPxE, x_BxCxE + h_BxCxE))
+        parts = (x_NxPxE + h_NxPxE, x_BxCxE + h_BxCxE)
         if valid is None:
             return tuple(self._mlp_residual(x, None) for x in parts)
         (x_p, stats_p), (x_c, stats_c) = (self._mlp_residual(x, v)

@@ -274,7 +274,7 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     `group_size`: consecutive rows sharing a prompt (G), for `prompt_group`.
 
     Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
-    (and tis/weight_mean), grad_norm (global norm before clipping), lr (when a schedule is
+    (and tis/weight_mean, loss/router_aux with algo.router_aux_coef > 0 on an MoE policy), grad_norm (global norm before clipping), lr (when a schedule is
     given) and entropy_coef (when algo.entropy_decay_start is set); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
     is not finite is not applied.
     """
