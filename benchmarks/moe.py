@@ -1,6 +1,7 @@
 """A mixture-of-experts GRPO step on 8 CPU devices, with and without expert parallelism.
 
     python benchmarks/moe.py [--steps 12] [--rounds 2] [--experts 16] [--top-k 2] [--json]
+    python benchmarks/moe.py --dispatch [--tokens 2048] [--experts 16] [--top-k 2]
 
 Runs `jaxrl train configs/quickstart.yaml` with a random qwen3_moe policy (model.init:
 hidden 128, 4 layers, `--experts` experts of width 128, `--top-k` per token; 16 prompts x 8
@@ -11,6 +12,11 @@ both alike. Per run, the median over the steps after the first two (compiles) of
 time/step_s, time/generate_s and time/train_s (perf.phase_times=true), and the parameters'
 bytes per device. The 8 devices share this machine's cores: the comparison is of what XLA
 makes of each layout (collectives, copies), not of accelerator bandwidth.
+
+`--dispatch` times the experts alone on one device instead (forward + backward of
+`jaxrl.models.moe.dispatch` on `--tokens` tokens, hidden 128, width 128): jax.lax.ragged_dot,
+tokamax.ragged_dot when tokamax is installed, and the gathered-weight dispatch; median of 20
+calls after a warm-up.
 """
 
 from __future__ import annotations
@@ -58,6 +64,47 @@ def run(layout: str, steps: int, run_dir: Path, experts: int, top_k: int) -> dic
     return out
 
 
+def dispatch_times(tokens: int, experts: int, top_k: int, e: int = 128, f: int = 128) -> None:
+    """Forward + backward time of each expert dispatch on one device (module docstring)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.models import moe
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, e))
+    _, experts_NxK = jax.lax.top_k(jax.random.normal(keys[1], (tokens, experts)), top_k)
+    weights = jnp.full((tokens, top_k), 1.0 / top_k)
+    gate_up = 0.05 * jax.random.normal(keys[2], (experts, e, 2, f))
+    down = 0.05 * jax.random.normal(keys[3], (experts, f, e))
+    impls = {"jax.lax.ragged_dot": moe.dispatch, "gather": moe.gather_dispatch}
+    try:
+        import tokamax
+
+        def tokamax_dispatch(*args):
+            return moe.dispatch(*args, ragged_dot=tokamax.ragged_dot)
+
+        impls["tokamax.ragged_dot"] = tokamax_dispatch
+    except ImportError:
+        pass
+    for name, impl in impls.items():
+        def loss(x, gate_up, down, impl=impl):
+            return jnp.sum(impl(x, weights, experts_NxK, gate_up, down) ** 2)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        jax.block_until_ready(step(x, gate_up, down))
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            jax.block_until_ready(step(x, gate_up, down))
+            times.append(time.perf_counter() - start)
+        flops = step.lower(x, gate_up, down).compile().cost_analysis()["flops"]
+        print(f"{name:<20} {np.median(times) * 1e3:8.2f} ms   XLA flops {flops:.3g}   "
+              f"routed-expert flops {3 * 2 * tokens * top_k * 3 * e * f:.3g}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -65,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--dispatch", action="store_true")
+    parser.add_argument("--tokens", type=int, default=2048)
     args = parser.parse_args(argv)
+    if args.dispatch:
+        dispatch_times(args.tokens, args.experts, args.top_k)
+        return
     if args.steps <= SKIP:
         parser.error(f"--steps must be more than {SKIP}")
     rounds = []

@@ -86,18 +86,20 @@ class MoE(nnx.Module):
 
 
 def dispatch(x_NxE: jax.Array, weights_NxK: jax.Array, experts_NxK: jax.Array,
-             gate_up_XxEx2xF: jax.Array, down_XxFxE: jax.Array) -> jax.Array:
-    """sum_j w_nj · expert_{e_nj}(x_n) by sorted assignments and `ragged_dot` (module doc)."""
+             gate_up_XxEx2xF: jax.Array, down_XxFxE: jax.Array, *,
+             ragged_dot=jax.lax.ragged_dot) -> jax.Array:
+    """sum_j w_nj · expert_{e_nj}(x_n) by sorted assignments and `ragged_dot` (module doc;
+    another implementation of `jax.lax.ragged_dot`'s signature may be passed: benchmarks)."""
     n, k = experts_NxK.shape
     num_experts, e, _, f = gate_up_XxEx2xF.shape
     experts_M = experts_NxK.reshape(n * k)
     order_M = jnp.argsort(experts_M, stable=True)  # assignment m = token m // k, slot m % k
     group_sizes_X = jnp.bincount(experts_M, length=num_experts).astype(jnp.int32)
     xs_MxE = x_NxE[order_M // k]
-    gate_up_Mx2F = jax.lax.ragged_dot(xs_MxE, gate_up_XxEx2xF.reshape(num_experts, e, 2 * f),
+    gate_up_Mx2F = ragged_dot(xs_MxE, gate_up_XxEx2xF.reshape(num_experts, e, 2 * f),
                                       group_sizes_X)
     gate_MxF, up_MxF = gate_up_Mx2F[:, :f], gate_up_Mx2F[:, f:]
-    out_MxE = jax.lax.ragged_dot(jax.nn.silu(gate_MxF) * up_MxF, down_XxFxE, group_sizes_X)
+    out_MxE = ragged_dot(jax.nn.silu(gate_MxF) * up_MxF, down_XxFxE, group_sizes_X)
     inverse_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype))
     out_NxKxE = out_MxE[inverse_M].reshape(n, k, e)
     return jnp.einsum("nke,nk->ne", out_NxKxE, weights_NxK)
