@@ -1,4 +1,4 @@
-"""Flax NNX decoder (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) and HF safetensors in/out."""
+"""Flax NNX decoder (Llama 3.x, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral) and HF safetensors in/out."""
 
 from jaxrl.models.attention import PagedKV
 from jaxrl.models.config import (

@@ -1,5 +1,5 @@
-"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3 / Mistral / Qwen3-MoE) as a Flax NNX
-module.
+"""Decoder-only transformer (Llama 3.x / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral) as a
+Flax NNX module.
 
     x = embed[input_ids]
     for each layer:  x += attn(rmsnorm(x));  x += mlp(rmsnorm(x))   (mlp: SwiGLU, or MoE)
