@@ -2,6 +2,7 @@
 
     python benchmarks/moe.py [--steps 12] [--rounds 2] [--experts 16] [--top-k 2] [--json]
     python benchmarks/moe.py --dispatch [--tokens 2048] [--experts 16] [--top-k 2]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/moe.py --collectives
 
 Runs `jaxrl train configs/quickstart.yaml` with a random qwen3_moe policy (model.init:
 hidden 128, 4 layers, `--experts` experts of width 128, `--top-k` per token; 16 prompts x 8
@@ -16,7 +17,9 @@ makes of each layout (collectives, copies), not of accelerator bandwidth.
 `--dispatch` times the experts alone on one device instead (forward + backward of
 `jaxrl.models.moe.dispatch` on `--tokens` tokens, hidden 128, width 128): jax.lax.ragged_dot,
 tokamax.ragged_dot when tokamax is installed, and the gathered-weight dispatch; median of 20
-calls after a warm-up.
+calls after a warm-up. `--collectives` compiles the step of each layout (same policy and
+shapes, 8 devices; nothing runs) and counts the collectives in its optimized HLO by kind,
+with the bytes of their results (static: an instruction inside a loop body counts once).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -105,6 +109,38 @@ def dispatch_times(tokens: int, experts: int, top_k: int, e: int = 128, f: int =
               f"routed-expert flops {3 * 2 * tokens * top_k * 3 * e * f:.3g}")
 
 
+_COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-to-all|reduce-scatter|all-reduce|"
+                         r"collective-permute)(?:-start)?\(")
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
+
+
+def collectives(experts: int, top_k: int) -> None:
+    """Collectives by kind in each layout's compiled step programs (module docstring)."""
+    from rich.console import Console
+
+    from jaxrl.config import ExperimentConfig, load_config
+    from jaxrl.run.start import start_run
+
+    for layout in LAYOUTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(ExperimentConfig, ROOT / "configs" / "quickstart.yaml", [
+                *RUN, f"sharding.layout={layout}", f"model.init.num_experts={experts}",
+                f"model.init.num_experts_per_tok={top_k}", f"train.run_dir={tmp}/run"])
+            started = start_run(cfg, "moe", Console(file=sys.stderr, quiet=True),
+                                resumable=False)
+            for program, compiled in started.run.step.compiled().items():
+                counts: dict[str, list[int]] = {}
+                for shape, kind in _COLLECTIVE.findall(compiled.as_text()):
+                    size = sum(_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",")
+                                                                if d] or [1]))
+                               for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+                    n, total = counts.get(kind, [0, 0])
+                    counts[kind] = [n + 1, total + size]
+                cells = ", ".join(f"{k} {n} ({b / 2**20:.1f} MiB)"
+                                  for k, (n, b) in sorted(counts.items()))
+                print(f"{layout:<8} {program:<10} {cells}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -114,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dispatch", action="store_true")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--collectives", action="store_true")
     args = parser.parse_args(argv)
+    if args.collectives:
+        collectives(args.experts, args.top_k)
+        return
     if args.dispatch:
         dispatch_times(args.tokens, args.experts, args.top_k)
         return
