@@ -86,6 +86,9 @@ def dispatch_times(tokens: int, experts: int, top_k: int, e: int = 128, f: int =
     impls = {"jax.lax.ragged_dot": moe.dispatch, "gather": moe.gather_dispatch}
     try:
         import tokamax
+        from absl import flags
+
+        flags.FLAGS.mark_as_parsed()  # tokamax reads absl flags, which would parse our argv
 
         def tokamax_dispatch(*args):
             return moe.dispatch(*args, ragged_dot=tokamax.ragged_dot)
