@@ -13,7 +13,13 @@ equal experts keep token order), the tokens gathered in that order, and each exp
 contiguous group multiplied by its own weights with one `ragged_dot` per projection (group
 sizes = tokens per expert); the outputs are put back in assignment order and summed with
 their router weights, an einsum over k (no scatter-add, so the order of the sums does not
-depend on the routing). Only the routed experts' FLOPs are spent: 2·k·3·E·F per token.
+depend on the routing). Only the routed experts' FLOPs are spent on TPU/GPU, where XLA
+lowers ragged_dot to grouped matmuls: 2·k·3·E·F per token. XLA:CPU lowers it to a masked
+dense dot over all X experts (X/k times the work, and its cost analysis counts that): the
+FLOP accounting compiles `gather_dispatch` instead (`ModelConfig.moe_dispatch`).
+tokamax.ragged_dot (0.0.12) was measured and not adopted: on CPU it falls back to the same
+XLA op (no faster, benchmarks/README.md); its Pallas kernels are for GPU/TPU, where it has
+not been measured (no accelerator lent).
 
 Deliberate deviation: the router logits are accumulated in float32 (`preferred_element_type`)
 for every compute dtype, where transformers takes them in the model's dtype before its
