@@ -188,3 +188,28 @@ def test_active_parameters_count_only_the_routed_experts():
     model = nnx.eval_shape(lambda: Transformer(c, rngs=nnx.Rngs(0)))
     counted = sum(v.size for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
     assert counted == c.num_params()
+
+
+@pytest.mark.parametrize("scan_layers, remat", [(False, "block"), (True, "save_dots")])
+def test_remat_gives_the_same_loss_and_gradients_with_router_stats(scan_layers, remat):
+    ids, mask = (jnp.asarray(a) for a in _batch(96))
+
+    def value_and_grads(remat):
+        config = make_tiny_config("qwen3_moe", scan_layers=scan_layers, remat=remat)
+        graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+
+        def loss(state):
+            h, stats = nnx.merge(graphdef, state).hidden_states(ids, mask, router_stats=True)
+            aux = load_balancing_loss(stats, config.num_layers, jnp.sum(mask))
+            return jnp.sum(jnp.mean(h ** 2, axis=-1) * mask) / jnp.sum(mask) + aux
+
+        return jax.jit(jax.value_and_grad(loss))(state)
+
+    loss, grads = value_and_grads("none")
+    loss_remat, grads_remat = value_and_grads(remat)
+    np.testing.assert_allclose(loss_remat, loss, rtol=1e-5)
+    for (path, g), (_, g_remat) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(grads_remat),
+                                       strict=True):
+        np.testing.assert_allclose(g_remat[...], g[...], rtol=1e-5, atol=1e-6, err_msg=str(path))
+    router = nnx.to_flat_state(grads)
+    assert any(np.any(g[...] != 0) for p, g in router if "router" in p)
