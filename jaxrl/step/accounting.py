@@ -53,12 +53,8 @@ from jaxrl.models import KVCache, ModelConfig, Transformer
 from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
 from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
-from jaxrl.step.phases import (
-    completion_log_probs,
-    completion_values,
-    microbatch_loss,
-    prompt_group,
-)
+from jaxrl.step.critic import completion_values
+from jaxrl.step.phases import completion_log_probs, microbatch_loss, prompt_group
 from jaxrl.step.state import TrainState
 from jaxrl.step.value_model import Critic
 
@@ -336,7 +332,7 @@ class _Phases:
 
     def _values(self) -> jax.stages.Lowered:
         def fn(params, critic_params, mb):
-            return completion_values(nnx.merge(self.critic[0], critic_params), mb, None,
+            return completion_values(nnx.merge(self.critic[0], critic_params), mb,
                                      nnx.merge(self.graphdef, params),
                                      self.trips["prompt_group"])
 

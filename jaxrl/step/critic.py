@@ -30,8 +30,17 @@ from flax import nnx
 from jaxrl.config import AlgoSection
 from jaxrl.rl.gae import explained_variance, gae_advantages, whiten
 from jaxrl.sharding.rules import active_rules
-from jaxrl.step.phases import Batch, _split, _unsplit, completion_values, prompt_group
+from jaxrl.step.phases import Batch, _split, _unsplit, completion_hidden, prompt_group
 from jaxrl.step.state import TrainState
+from jaxrl.step.value_model import Critic
+
+
+def completion_values(critic: Critic, mb: Batch, policy: nnx.Module,
+                      prompt_group: int = 1) -> jax.Array:
+    """values_BxC of the completion's states: the critic's head on its own trunk's hidden
+    states or, a value head, on the policy's."""
+    trunk = policy if critic.trunk is None else critic.trunk
+    return critic.head(completion_hidden(trunk, mb, prompt_group))
 
 
 def old_values(ts: TrainState, batch: Batch, num_micro: int, group: int) -> jax.Array:
@@ -41,7 +50,7 @@ def old_values(ts: TrainState, batch: Batch, num_micro: int, group: int) -> jax.
     def one(mb):
         # A fresh copy per traced scope: nnx rejects Variables of another trace level.
         fresh = nnx.merge(graphdef, state, copy=True)
-        return completion_values(fresh.critic, mb, None, fresh.model, group)
+        return completion_values(fresh.critic, mb, fresh.model, group)
 
     parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
     return jax.lax.stop_gradient(_unsplit(parts))

@@ -58,9 +58,9 @@ from jaxrl.rl import (
     zero_std_frac,
     zero_std_groups,
 )
+from jaxrl.rl.gae import value_loss
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding.rules import active_rules, constrain
-from jaxrl.rl.gae import value_loss
 from jaxrl.step.state import TrainState
 from jaxrl.step.value_model import Critic
 
@@ -245,17 +245,6 @@ def entropy_coef_at(cfg: AlgoSection, update: jax.Array) -> jax.Array:
     return coef * jnp.clip(left, 0.0, 1.0)
 
 
-def completion_values(critic: Critic, mb: Batch, policy_hidden_BxCxE: jax.Array | None,
-                      policy: nnx.Module | None = None, prompt_group: int = 1) -> jax.Array:
-    """values_BxC of the completion's states: the critic's head on its own trunk's hidden
-    states, or (a value head) on the policy's (`policy_hidden_BxCxE`, else from `policy`)."""
-    if critic.trunk is not None:
-        return critic.head(completion_hidden(critic.trunk, mb, prompt_group))
-    if policy_hidden_BxCxE is None:
-        policy_hidden_BxCxE = completion_hidden(policy, mb, prompt_group)
-    return critic.head(policy_hidden_BxCxE)
-
-
 def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
                     num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
                     entropy_coef: jax.Array | None = None, prompt_group: int = 1,
@@ -281,7 +270,8 @@ def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: 
         num_tokens=num_tokens, num_seqs=num_seqs, entropy_coef=entropy_coef)
     if critic is None:
         return loss, metrics
-    values_BxC = completion_values(critic, mb, hidden_BxCxE, prompt_group=prompt_group)
+    values_BxC = critic.head(hidden_BxCxE if critic.trunk is None else
+                             completion_hidden(critic.trunk, mb, prompt_group))
     v_loss, v_metrics = value_loss(
         values_BxC, mb["old_values_BxC"], mb["returns_BxC"], mb["loss_mask_BxC"],
         cfg.critic.value_clip, cfg.loss.aggregation, num_tokens=num_tokens, num_seqs=num_seqs,

@@ -73,8 +73,15 @@ class TrainState(nnx.Module):
         if not critic_warmup_updates:
             self.optimizer.update(self.model, grads)
             return
-        nnx.cond(warm, lambda opt, model, g: opt.update(model, g),
-                 lambda opt, model, g: None, self.optimizer, self.model, grads)
+        graphdef, policy = nnx.split((self.model, self.optimizer))
+
+        def update(policy, grads):
+            model, optimizer = nnx.merge(graphdef, policy, copy=True)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer))
+
+        nnx.update((self.model, self.optimizer),
+                   jax.lax.cond(warm, update, lambda policy, grads: policy, policy, grads))
 
     def count_skips(self, skipped_updates: jax.Array) -> dict[str, jax.Array]:
         """Counts a step that skipped `skipped_updates` updates (non-finite loss or gradient);
