@@ -263,8 +263,8 @@ def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: 
     if old_logp_BxC is None:  # one update per step: this forward is the old policy's
         old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
     loss, metrics = policy_loss(
-        logp_BxC, old_logp_BxC, mb["adv_BxC"] if critic else mb["adv_B"], mb["loss_mask_BxC"],
-        cfg.loss,
+        logp_BxC, old_logp_BxC, mb["adv_BxC"] if critic is not None else mb["adv_B"],
+        mb["loss_mask_BxC"], cfg.loss,
         ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
         entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
         num_tokens=num_tokens, num_seqs=num_seqs, entropy_coef=entropy_coef)

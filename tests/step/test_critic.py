@@ -1,6 +1,7 @@
-"""PPO with a learned critic in the step (algo.advantage gae): fused ≡ split, both critic
-kinds train, the warm-up updates the critic alone, a separate critic starts as a copy of
-the policy but is its own; on test_builder's tiny policy, prompts and rewards."""
+"""PPO with a learned critic in the step (algo.advantage gae): the warm-up updates the critic
+alone, then both critic kinds train with the policy, a separate critic starts as a copy of
+the policy but is its own, fused ≡ split; on test_builder's tiny policy, prompts and
+rewards."""
 
 import dataclasses
 import functools
@@ -50,8 +51,11 @@ def _run(cfg: AlgoSection, steps: int = 2, params_after=None):
 
 
 @functools.cache
-def _fused(kind: str):
-    return _run(dataclasses.replace(PPO, critic=CriticSection(kind=kind)))
+def _fused(kind: str, mode: str = "fused"):
+    """Two steps, the first of them the critic's warm-up."""
+    after = []
+    cfg = dataclasses.replace(PPO, mode=mode, critic=CriticSection(kind=kind, warmup_steps=1))
+    return (*_run(cfg, params_after=after), after)
 
 
 def _changed(a, b):
@@ -59,11 +63,17 @@ def _changed(a, b):
 
 
 @pytest.mark.parametrize("kind", ["separate", "value_head"])
-def test_both_critic_kinds_train_policy_and_critic(kind):
-    (policy0, critic0), ts, history = _fused(kind)
-    assert int(ts.step) == 4 and int(ts.critic_optimizer.step[...]) == 4
-    assert all(_changed(_pure(ts.model), policy0))
-    assert any(_changed(_pure(ts.critic), critic0))
+def test_the_critic_warms_up_alone_then_both_train(kind):
+    (policy0, critic0), ts, history, after = _fused(kind)
+    (policy1, critic1, updates1), (policy2, _, updates2) = after
+    # Step 0 (warm-up): only the critic's 2 updates; the policy (a value head's trunk
+    # included) is untouched and its optimizer has counted nothing.
+    jax.tree.map(np.testing.assert_array_equal, policy1, policy0)
+    assert updates1 == 0 and any(_changed(critic1, critic0))
+    # Step 1: both. The policy's optimizer counted only step 1's updates, so its schedule
+    # starts after the warm-up.
+    assert updates2 == 2 and int(ts.critic_optimizer.step[...]) == 4
+    assert all(_changed(policy2, policy0))
     for m in history:
         for name in ("value/loss", "value/explained_variance", "value/mean", "value/clip_frac",
                      "value/returns_mean", "value/grad_norm", "loss/policy", "grad_norm"):
@@ -75,36 +85,16 @@ def test_both_critic_kinds_train_policy_and_critic(kind):
     assert history[1]["value/mean"] != 0
     if kind == "separate":
         # Its trunk started as the policy's weights and then trained on its own.
-        trunk0 = critic0["trunk"]
-        jax.tree.map(np.testing.assert_array_equal, trunk0, policy0)
+        jax.tree.map(np.testing.assert_array_equal, critic0["trunk"], policy0)
         assert all(_changed(_pure(ts.critic.trunk), _pure(ts.model)))
     else:
         assert ts.critic.trunk is None and set(critic0) == {"head"}
 
 
-@pytest.mark.parametrize("kind", ["separate", "value_head"])
-def test_fused_equals_split_bitwise_with_a_critic(kind):
-    _, fused, fused_history = _fused(kind)
-    _, split, split_history = _run(dataclasses.replace(PPO, mode="split",
-                                                       critic=CriticSection(kind=kind)))
+def test_fused_equals_split_bitwise_with_a_critic():
+    _, fused, fused_history, _ = _fused("separate")
+    _, split, split_history, _ = _fused("separate", "split")
     jax.tree.map(np.testing.assert_array_equal, _pure(split), _pure(fused))
     for f, s in zip(fused_history, split_history, strict=True):
         assert f.keys() == s.keys()
         jax.tree.map(np.testing.assert_array_equal, s, f)
-
-
-@pytest.mark.parametrize("kind", ["separate", "value_head"])
-def test_the_warmup_trains_the_critic_alone(kind):
-    after = []
-    (policy0, critic0), ts, history = _run(dataclasses.replace(
-        PPO, critic=CriticSection(kind=kind, warmup_steps=1)), steps=2, params_after=after)
-    # Step 0 (warm-up): only the critic's 2 updates; the policy (a value head's trunk
-    # included) is untouched and its optimizer has counted nothing.
-    (policy1, critic1, updates1), (policy2, _, updates2) = after
-    jax.tree.map(np.testing.assert_array_equal, policy1, policy0)
-    assert updates1 == 0 and any(_changed(critic1, critic0))
-    # Step 1: both. The policy's optimizer counted only step 1's updates, so its schedule
-    # starts after the warm-up.
-    assert updates2 == 2 and int(ts.critic_optimizer.step[...]) == 4
-    assert all(_changed(policy2, policy0))
-    assert all(np.isfinite(m["value/loss"]) for m in history)
