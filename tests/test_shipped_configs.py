@@ -22,7 +22,8 @@ from tests.conftest import make_tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 # Real recipes and the model family each one trains.
 RECIPES = {"grpo_gsm8k_qwen2.5-1.5b.yaml": "qwen2", "dapo_gsm8k_llama3.2-3b.yaml": "llama",
-           "grpo_gsm8k_qwen3-30b-a3b.yaml": "qwen3_moe"}
+           "grpo_gsm8k_qwen3-30b-a3b.yaml": "qwen3_moe",
+           "ppo_gsm8k_qwen2.5-0.5b.yaml": "qwen2"}
 SCHEMAS = {"check.yaml": CheckConfig, "generate.yaml": GenerateConfig,
            "quickstart.yaml": ExperimentConfig, **dict.fromkeys(RECIPES, ExperimentConfig)}
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -94,6 +95,7 @@ def test_recipe_runs_two_steps_on_a_tiny_model(name, tmp_path, capsys, monkeypat
         assert record["reward/math"] == 1 and record["reward/errors"] == 0
         assert record["completion/len_mean"] > 0
         assert ("reward/overlong" in record) == bool(overlong)
+        assert ("value/loss" in record) == (recipe.algo.advantage == "gae")
     saved = load_config(ExperimentConfig, run_dir / "config.yaml")
     assert saved.model.path == str(model_dir) and saved.data.task == "gsm8k"
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

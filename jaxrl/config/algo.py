@@ -1,6 +1,6 @@
 """The `algo` and `optim` sections: what one RL step computes and how it updates the policy.
 
-    algo   advantage estimator, policy loss (`jaxrl.rl.PolicyLossConfig`, the loss's own
+    algo   advantage estimator (gae: PPO with a learned critic, `algo.critic`), policy loss (`jaxrl.rl.PolicyLossConfig`, the loss's own
            parameters), updates per step (iterations x minibatches, microbatches), fused or
            split programs, log-prob chunking, DAPO's overlong buffer
     optim  AdamW on a warmup + cosine schedule with global-norm clipping (`jaxrl.step.optimizer`)
@@ -17,11 +17,12 @@ import math
 import typing
 from typing import Literal
 
+from jaxrl.config.critic import CriticSection
 from jaxrl.config.load import fail, require_at_least
 from jaxrl.rl import PolicyLossConfig
 from jaxrl.rl.advantages import ScaleRewards
 
-AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo"]
+AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "gae"]
 StepMode = Literal["fused", "split", "async"]
 
 
@@ -80,12 +81,19 @@ class AlgoSection:
     # `router_aux_loss_coef` is 0.001, but it only applies it with output_router_logits
     # (off by default): RL fine-tuning of a balanced pretrained router usually leaves it off.
     router_aux_coef: float = 0.0
+    # advantage=gae: the critic (value model) and GAE's parameters (`jaxrl.config.critic`).
+    critic: CriticSection = dataclasses.field(default_factory=CriticSection)
 
     def __post_init__(self):
         for name, choices in (("advantage", AdvantageEstimator), ("mode", StepMode),
                               ("scale_rewards", ScaleRewards)):
             if getattr(self, name) not in typing.get_args(choices):
                 fail("algo", self, name, f"one of {typing.get_args(choices)}")
+        if not isinstance(self.critic, CriticSection):
+            fail("algo", self, "critic", "a CriticSection")
+        if self.advantage == "gae" and self.mode == "async":
+            fail("algo", self, "advantage", "'grpo', 'rloo' or 'dr_grpo' with algo.mode=async "
+                 "(the critic runs only in the fused and split steps)")
         if not isinstance(self.loss, PolicyLossConfig):
             fail("algo", self, "loss", "a PolicyLossConfig")
         _require_int("algo", self, ("num_iterations", "num_minibatches", "entropy_decay_steps",

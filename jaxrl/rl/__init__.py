@@ -1,5 +1,6 @@
 """Pure RL math: per-token log-probs and entropies (also chunked over the vocabulary, from
-hidden states), group-relative advantages (GRPO, RLOO, Dr. GRPO) and zero-variance groups, the
+hidden states), group-relative advantages (GRPO, RLOO, Dr. GRPO) and zero-variance groups, PPO's
+per-token GAE and clipped value loss (a learned critic), the
 clipped policy loss of the GRPO family (DAPO clip-higher, GSPO sequence ratios, Dr. GRPO
 aggregation, KL to a reference, entropy bonus, truncated importance sampling), DAPO's
 overlong reward shaping, and the rewards API (in-graph JAX rewards and host Python rewards,
@@ -16,6 +17,7 @@ from jaxrl.rl.advantages import (
     zero_std_frac,
     zero_std_groups,
 )
+from jaxrl.rl.gae import explained_variance, gae_advantages, value_loss, whiten
 from jaxrl.rl.logprobs import chunked_log_probs_and_entropy, token_entropy, token_log_probs
 from jaxrl.rl.losses import PolicyLossConfig, kl_estimate, policy_loss
 from jaxrl.rl.rewards import JaxReward, PythonReward, RewardInputs, RewardSet
@@ -23,7 +25,9 @@ from jaxrl.rl.shaping import overlong_penalty
 
 __all__ = [
     "JaxReward", "PolicyLossConfig", "PythonReward", "RewardInputs", "RewardSet",
-    "chunked_log_probs_and_entropy", "dr_grpo_advantages",
-    "grpo_advantages", "kl_estimate", "overlong_penalty", "policy_loss", "rloo_advantages",
-    "token_entropy", "token_log_probs", "zero_std_frac", "zero_std_groups",
+    "chunked_log_probs_and_entropy", "dr_grpo_advantages", "explained_variance",
+    "gae_advantages", "grpo_advantages", "kl_estimate", "overlong_penalty", "policy_loss",
+    "rloo_advantages",
+    "token_entropy", "token_log_probs", "value_loss", "whiten", "zero_std_frac",
+    "zero_std_groups",
 ]

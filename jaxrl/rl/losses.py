@@ -1,7 +1,8 @@
 """The clipped policy-gradient loss of the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO), with KL,
 entropy bonus and truncated importance sampling.
 
-Per completion token t of sequence i (mask m_it = 1), with advantage A_i:
+Per completion token t of sequence i (mask m_it = 1), with advantage A_i (or a per-token
+A_it, PPO's GAE with a critic: `jaxrl.rl.gae`; adv_B then has shape [B, T]):
 
     ratio_it = exp(logp_it - old_logp_it)                         "token" (PPO, GRPO, DAPO)
              = exp(sum_t m_it (logp_it - old_logp_it) / |y_i|)    "sequence" (GSPO), the same
@@ -221,7 +222,8 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
         seq_log_ratio_B = jnp.sum(log_ratio_BxT, axis=1) / jnp.maximum(count_B, 1.0)
         log_ratio_BxT = jnp.broadcast_to(seq_log_ratio_B[:, None], log_ratio_BxT.shape)
     ratio_BxT = jnp.exp(log_ratio_BxT)
-    adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
+    # One advantage per sequence [B], or per token [B, T] (PPO's GAE, `jaxrl.rl.gae`).
+    adv_Bx1 = adv_B.astype(jnp.float32)[:, None] if adv_B.ndim == 1 else masked(adv_B)
     unclipped_BxT = ratio_BxT * adv_Bx1
     clipped_BxT = jnp.clip(ratio_BxT, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv_Bx1
     pg_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)

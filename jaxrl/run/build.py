@@ -188,7 +188,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                   f"{stats.longest} tokens)")
 
     rewards = task.reward_set(tokenizer, task.train_rows)
-    ts = train_state_from_model(model, cfg.optim, mesh, layout.train_rules)
+    ts = train_state_from_model(model, cfg.optim, mesh, layout.train_rules,
+                                critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None)
     sampler_config = SamplerConfig(
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(

@@ -4,6 +4,7 @@ A checkpoint named k is taken after k steps (steps 0..k-1 done) and holds four i
 
     model      the policy's parameters (the TrainState's `model` part), each array sharded
     optimizer  the optimizer state: Adam moments, update counts, skip counters
+    (critic, critic_optimizer: PPO's critic and its optimizer state, when the run has one)
     data       the prompt iterator and curriculum state (numpy arrays, `PromptBatches.state`)
     meta       JSON: the step, the run's base PRNG key, the jaxrl version
 
@@ -64,6 +65,9 @@ from jaxrl.run.run_dir import CHECKPOINT_DIR, DAMAGED_CHECKPOINT_DIR
 logger = logging.getLogger("jaxrl.checkpoint")
 T = TypeVar("T")
 
+# The TrainState's parts besides model and optimizer that a run may have (PPO's critic).
+_CRITIC_ITEMS = ("critic", "critic_optimizer")
+
 class RestoreError(RuntimeError):
     """No checkpoint of a run could be restored."""
 
@@ -114,6 +118,9 @@ class Checkpoints:
             optimizer=ocp.args.StandardSave(nnx.to_pure_dict(state["optimizer"])),
             data=ocp.args.StandardSave(data),
             meta=ocp.args.JsonSave(meta))
+        for name in _CRITIC_ITEMS:
+            if name in state:
+                items[name] = ocp.args.StandardSave(nnx.to_pure_dict(state[name]))
         if queue is not None:
             arrays, queue_meta = queue
             items["queue_meta"] = ocp.args.JsonSave(queue_meta)
@@ -232,14 +239,18 @@ class Checkpoints:
 
     def _restore(self, step: int, target: nnx.State) -> Restored:
         model, optimizer = target["model"], target["optimizer"]
+        critic = {name: ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target[name])))
+                  for name in _CRITIC_ITEMS if name in target}
         out = self._manager.restore(step, args=ocp.args.Composite(
             model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(model))),
             optimizer=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(optimizer))),
             data=ocp.args.StandardRestore(),
-            meta=ocp.args.JsonRestore()))
+            meta=ocp.args.JsonRestore(), **critic))
         state = jax.tree.map(lambda x: x, target)  # a new State of the same structure
         nnx.replace_by_pure_dict(state["model"], out.model)
         nnx.replace_by_pure_dict(state["optimizer"], out.optimizer)
+        for name in critic:
+            nnx.replace_by_pure_dict(state[name], out[name])
         data = {k: np.asarray(v) for k, v in out.data.items()}
         return Restored(step, state, data, dict(out.meta))
 

@@ -7,6 +7,9 @@
     grad          value_and_grad(microbatch_loss) of one microbatch      x iterations x minibatches
                                                                             x microbatches
     update        the optimizer update                                   x iterations x minibatches
+    values        completion_values of one microbatch (PPO's critic,     x microbatches
+                  algo.advantage gae: V_old before the updates)
+    (with a critic, grad differentiates policy + critic and update applies both optimizers)
 
 These are the functions the step program runs (`jaxrl.rollout.sampler`, `jaxrl.step.phases`),
 compiled on abstract inputs of the step's global shapes with the layers unrolled and the
@@ -50,10 +53,12 @@ from jaxrl.models import KVCache, ModelConfig, Transformer
 from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
 from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
+from jaxrl.step.critic import completion_values
 from jaxrl.step.phases import completion_log_probs, microbatch_loss, prompt_group
 from jaxrl.step.state import TrainState
+from jaxrl.step.value_model import Critic
 
-PER_LAYER = ("prefill", "decode", "logprobs", "grad")  # programs that run the layers
+PER_LAYER = ("prefill", "decode", "logprobs", "grad", "values")  # programs that run the layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,16 +132,19 @@ def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerC
                 return cost[(kind, depths[0], name)]
             return extrapolate_layers(cost[(kind, 1, name)], cost[(kind, 2, name)], layers)
 
+        values = (PhaseCount(phase("values"), trips["values"]),) if trips["values"] else ()
         return StepFlops(
             generate=(PhaseCount(phase("prefill"), 1),
                       PhaseCount(phase("decode"), 0, per_decode_step=True)),
             train=(PhaseCount(phase("logprobs"), trips["logprobs"]),
                    PhaseCount(phase("grad"), trips["grad"]),
-                   PhaseCount(phase("update"), trips["update"])))
+                   PhaseCount(phase("update"), trips["update"])) + values)
 
     model = count("model")
     hardware = count("hardware") if "hardware" in kinds else model
-    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips), shapes.rows)
+    critic = algo.critic.kind if algo.advantage == "gae" else None
+    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips, critic),
+                          shapes.rows)
 
 
 def _trips(algo: AlgoSection, shapes: StepShapes, model_config: ModelConfig,
@@ -149,21 +157,34 @@ def _trips(algo: AlgoSection, shapes: StepShapes, model_config: ModelConfig,
                          batch_shards)
     return {"micro_rows": micro_rows, "prompt_group": group,
             "logprobs": slices * ((not algo.single_update) + (algo.loss.beta > 0)),
-            "grad": updates * num_micro, "update": updates}
+            "grad": updates * num_micro, "update": updates,
+            "values": slices if algo.advantage == "gae" else 0}
 
 
-def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int]) -> StepFlops:
+def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int],
+              critic: str | None = None) -> StepFlops:
+    """The analytic counts; `critic` (algo.critic.kind when algo.advantage is gae) adds the
+    values forward (a trunk whose "vocabulary" is the value head's one column) and, for a
+    separate critic, its trunk's share of every gradient (a value head's own: the head)."""
     p, c, b, g = shapes.prompt_len, shapes.max_new_tokens, trips["micro_rows"], trips["prompt_group"]
 
     def phase(name, flops, n, per_decode_step=False):
         return PhaseCount(ProgramCost(name, flops, None, "analytic"), n, per_decode_step)
 
+    grad = analytic.grad_flops(config, b, p, c, g)
+    values = ()
+    if critic is not None:
+        value_config = dataclasses.replace(config, vocab_size=1)
+        trunk = analytic.logprob_flops(value_config, b, p, c, g)
+        head = 2.0 * config.hidden_size * b * c
+        grad += 3 * (trunk if critic == "separate" else head)
+        values = (phase("values", trunk, trips["values"]),)
     return StepFlops(
         generate=(phase("prefill", analytic.prefill_flops(config, shapes.prompts, p, c), 1),
                   phase("decode", analytic.decode_step_flops(config, shapes.rows, p, c), 0,
                         per_decode_step=True)),
         train=(phase("logprobs", analytic.logprob_flops(config, b, p, c, g), trips["logprobs"]),
-               phase("grad", analytic.grad_flops(config, b, p, c, g), trips["grad"])))
+               phase("grad", grad, trips["grad"])) + values)
 
 
 def _host() -> SingleDeviceSharding:
@@ -184,7 +205,9 @@ def _lower(fn, *args, donate: tuple[int, ...] = ()) -> jax.stages.Lowered:
 def _lower_update(ts_graphdef: nnx.GraphDef, ts_state: nnx.State) -> jax.stages.Lowered:
     """One optimizer update of the run's train state."""
     state = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), ts_state)
-    grads = nnx.state(nnx.merge(ts_graphdef, state).model, nnx.Param)
+    ts: TrainState = nnx.merge(ts_graphdef, state)
+    grads = jax.tree.map(lambda m: nnx.state(m, nnx.Param), ts.trainable(),
+                         is_leaf=lambda x: isinstance(x, nnx.Module))
 
     def fn(state, grads):
         ts: TrainState = nnx.merge(ts_graphdef, state)
@@ -213,11 +236,20 @@ class _Phases:
             nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
         self.params = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params)
         self.config = config
+        self.critic = None  # (graphdef, abstract params) of PPO's critic, with gae
+        if algo.advantage == "gae":
+            separate = algo.critic.kind == "separate"
+            graphdef, params = nnx.split(nnx.eval_shape(lambda: Critic(
+                config.hidden_size, Transformer(config, rngs=nnx.Rngs(0)) if separate else None)))
+            self.critic = (graphdef, jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params))
 
     def lower(self) -> dict[str, jax.stages.Lowered]:
         """The phase programs, traced and lowered (not yet compiled)."""
-        return {"prefill": self._prefill(), "decode": self._decode(),
-                "logprobs": self._logprobs(), "grad": self._grad()}
+        programs = {"prefill": self._prefill(), "decode": self._decode(),
+                    "logprobs": self._logprobs(), "grad": self._grad()}
+        if self.critic is not None:
+            programs["values"] = self._values()
+        return programs
 
     def _rows(self, rows, *tail, dtype=jnp.int32):
         return _abstract((rows, *tail), dtype)
@@ -257,8 +289,12 @@ class _Phases:
         s, b = self.shapes, self.trips["micro_rows"]
         t, c = s.prompt_len + s.max_new_tokens, s.max_new_tokens
         mb = {"ids_BxT": self._rows(b, t), "mask_BxT": self._rows(b, t, dtype=bool),
-              "loss_mask_BxC": self._rows(b, c, dtype=bool),
-              "adv_B": self._rows(b, dtype=jnp.float32)}
+              "loss_mask_BxC": self._rows(b, c, dtype=bool)}
+        if self.critic is None:
+            mb["adv_B"] = self._rows(b, dtype=jnp.float32)
+        else:
+            for name in ("adv_BxC", "returns_BxC", "old_values_BxC"):
+                mb[name] = self._rows(b, c, dtype=jnp.float32)
         if not self.algo.single_update:
             mb["old_logp_BxC"] = self._rows(b, c, dtype=jnp.float32)
         if self.algo.loss.beta > 0:
@@ -282,12 +318,25 @@ class _Phases:
         algo = self.algo
         count = _abstract((), jnp.int32)
 
-        def fn(params, mb, num_tokens, num_seqs):
-            def loss(model):
+        def fn(params, critic_params, mb, num_tokens, num_seqs):
+            def loss(trainable):
+                model, critic = trainable if critic_params is not None else (trainable, None)
                 return microbatch_loss(algo, model, mb, num_tokens, num_seqs,
                                        self.sampler.sampling.temperature, unroll=True,
-                                       prompt_group=self.trips["prompt_group"])
+                                       prompt_group=self.trips["prompt_group"], critic=critic)
 
-            return nnx.value_and_grad(loss, has_aux=True)(nnx.merge(self.graphdef, params))
+            model = nnx.merge(self.graphdef, params)
+            if critic_params is not None:
+                model = (model, nnx.merge(self.critic[0], critic_params))
+            return nnx.value_and_grad(loss, has_aux=True)(model)
 
-        return _lower(fn, self.params, self._microbatch(), count, count)
+        critic_params = None if self.critic is None else self.critic[1]
+        return _lower(fn, self.params, critic_params, self._microbatch(), count, count)
+
+    def _values(self) -> jax.stages.Lowered:
+        def fn(params, critic_params, mb):
+            return completion_values(nnx.merge(self.critic[0], critic_params), mb,
+                                     nnx.merge(self.graphdef, params),
+                                     self.trips["prompt_group"])
+
+        return _lower(fn, self.params, self.critic[1], self._microbatch())

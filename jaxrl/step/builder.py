@@ -54,6 +54,7 @@ from jaxrl.rl import RewardInputs, RewardSet, zero_std_groups
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 from jaxrl.step.clock import PhaseClock
+from jaxrl.step.critic import gae_batch
 from jaxrl.step.optimizer import learning_rate_schedule
 from jaxrl.step.phases import (
     advantages,
@@ -262,7 +263,11 @@ class Step:
                 self.cfg, rewards_B, rollout.completion_mask_BxC, g)
             metrics.update(adv_metrics)
             metrics.update(completion_metrics(rollout, self.sampler.config.stop_token_ids))
-            metrics.update(train_on(self.cfg, ts, train_batch(rollout, adv_B, loss_mask_BxC),
+            batch = train_batch(rollout, adv_B, loss_mask_BxC)
+            if self.cfg.advantage == "gae":
+                batch, value_metrics = gae_batch(self.cfg, ts, batch, g)
+                metrics.update(value_metrics)
+            metrics.update(train_on(self.cfg, ts, batch,
                                     self.sampler.config.sampling.temperature,
                                     ref_params=ref_params, lr_schedule=self._schedule,
                                     group_size=g))

@@ -58,10 +58,12 @@ from jaxrl.rl import (
     zero_std_frac,
     zero_std_groups,
 )
+from jaxrl.rl.gae import value_loss
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding.rules import active_rules, constrain
 from jaxrl.step.router_aux import add_router_aux, uses_router_aux
 from jaxrl.step.state import TrainState
+from jaxrl.step.value_model import Critic
 
 Batch = dict[str, jax.Array]
 
@@ -110,8 +112,10 @@ def advantages(cfg: AlgoSection, rewards_B: jax.Array, mask_BxC: jax.Array, grou
         adv_B = grpo_advantages(rewards_B, group_size, cfg.scale_rewards)
     elif cfg.advantage == "rloo":
         adv_B = rloo_advantages(rewards_B, group_size)
-    else:
+    elif cfg.advantage == "dr_grpo":
         adv_B = dr_grpo_advantages(rewards_B, group_size)
+    else:  # gae: the sequence rewards, made per-token advantages by `jaxrl.step.critic`
+        adv_B = rewards_B.astype(jnp.float32)
     mask_BxC = mask_BxC.astype(bool)
     if cfg.mask_zero_std_groups:
         mask_BxC = mask_BxC & ~zero_std_groups(rewards_B, group_size)[:, None]
@@ -148,25 +152,13 @@ def prompt_group(cfg: AlgoSection, model_config: ModelConfig, group_size: int, r
                  and (per_slice // d) % batch_shards == 0), 1)
 
 
-def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
-                         chunk_size: int | str | None = None, *, unroll: bool = False,
-                         prompt_group: int = 1, router_stats: bool = False,
-                         ) -> tuple[jax.Array, ...]:
-    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix;
-    with `router_stats` (MoE), (logp_BxC, entropy_BxC, router_stats_2xX) of the rows.
-
-    Only the C positions that predict completion tokens are projected onto the vocabulary.
-    With `chunk_size` ("auto": `resolve_logprob_chunk`) the projection runs
-    in chunks of that many columns
-    (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
-    unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
-    With `prompt_group` g > 1 (`prompt_group()`), rows b·g ... b·g + g - 1 share their prompt
-    and it runs once for them (`Transformer.hidden_states_shared_prompt`).
-    """
-    chunk_size = resolve_logprob_chunk(chunk_size, model.config.vocab_size)
+def completion_hidden(model: nnx.Module, batch: Batch, prompt_group: int = 1, *,
+                      router_stats: bool = False) -> tuple[jax.Array, ...]:
+    """(hidden_BxCxE,): `model`'s final hidden states at the C positions that predict the
+    completion tokens (`prompt_group`: see `completion_log_probs`); with `router_stats`
+    (a mixture of experts), (hidden_BxCxE, router_stats_2xX) of the rows."""
     c = batch["loss_mask_BxC"].shape[1]
     ids_BxT, mask_BxT = batch["ids_BxT"], batch["mask_BxT"]
-    targets_BxC = ids_BxT[:, -c:]
     # The hidden state at position t predicts token t + 1: completion token i is predicted
     # at P - 1 + i.
     if prompt_group > 1:
@@ -174,20 +166,40 @@ def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
         prompt_NxPxE, completion_BxCxE, *stats = model.hidden_states_shared_prompt(
             ids_BxT[::g, :p], mask_BxT[::g, :p], ids_BxT[:, p:], mask_BxT[:, p:],
             router_stats=router_stats)
-        hidden_BxCxE = jnp.concatenate([jnp.repeat(prompt_NxPxE[:, -1:], g, axis=0),
-                                        completion_BxCxE[:, :-1]], axis=1)
-    else:
-        out = model.hidden_states(ids_BxT, mask_BxT, router_stats=router_stats)
-        hidden_BxTxE, stats = (out[0], out[1:]) if router_stats else (out, ())
-        hidden_BxCxE = hidden_BxTxE[:, -c - 1:-1]
+        return (jnp.concatenate([jnp.repeat(prompt_NxPxE[:, -1:], g, axis=0),
+                                 completion_BxCxE[:, :-1]], axis=1), *stats)
+    out = model.hidden_states(ids_BxT, mask_BxT, router_stats=router_stats)
+    hidden_BxTxE, *stats = out if router_stats else (out,)
+    return (hidden_BxTxE[:, -c - 1:-1], *stats)
+
+
+def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
+                         chunk_size: int | str | None = None, *, unroll: bool = False,
+                         prompt_group: int = 1, hidden_BxCxE: jax.Array | None = None,
+                         ) -> tuple[jax.Array, jax.Array]:
+    """(logp_BxC, entropy_BxC) of the completion tokens under `model` given their prefix.
+
+    Only the C positions that predict completion tokens are projected onto the vocabulary.
+    With `chunk_size` ("auto": `resolve_logprob_chunk`) the projection runs
+    in chunks of that many columns
+    (`chunked_log_probs_and_entropy`), so [B, C, V] logits never exist at once; `unroll`
+    unrolls that chunk loop (FLOP accounting: XLA's cost analysis counts a loop body once).
+    With `prompt_group` g > 1 (`prompt_group()`), rows b·g ... b·g + g - 1 share their prompt
+    and it runs once for them (`Transformer.hidden_states_shared_prompt`). `hidden_BxCxE`:
+    `completion_hidden` computed already (a value head reads it too).
+    """
+    chunk_size = resolve_logprob_chunk(chunk_size, model.config.vocab_size)
+    targets_BxC = batch["ids_BxT"][:, -batch["loss_mask_BxC"].shape[1]:]
+    if hidden_BxCxE is None:
+        hidden_BxCxE = completion_hidden(model, batch, prompt_group)[0]
     if chunk_size is not None:
-        return (*chunked_log_probs_and_entropy(
+        return chunked_log_probs_and_entropy(
             hidden_BxCxE, model.output_embedding(), targets_BxC, temperature=temperature,
-            chunk_size=chunk_size, unroll=unroll), *stats)
+            chunk_size=chunk_size, unroll=unroll)
     logits_BxCxV = constrain(dense(hidden_BxCxE, model.output_embedding(), "bce,ev->bcv",
                                    jnp.float32), ("batch", "seq", "act_vocab"))
     return (token_log_probs(logits_BxCxV, targets_BxC, temperature),
-            token_entropy(logits_BxCxV, temperature), *stats)
+            token_entropy(logits_BxCxV, temperature))
 
 
 def _split(x: jax.Array, n: int) -> jax.Array:
@@ -242,28 +254,40 @@ def entropy_coef_at(cfg: AlgoSection, update: jax.Array) -> jax.Array:
 def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
                     num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
                     entropy_coef: jax.Array | None = None, prompt_group: int = 1,
-                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    critic: Critic | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
     counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus ref log-probs and the old
     ones (without them, the step's only update: old = stop_gradient(new)); `entropy_coef`:
     this update's (`entropy_coef_at`), None: algo.loss.entropy_coef; `prompt_group`: see
-    `completion_log_probs`."""
+    `completion_log_probs`; with a `critic` (algo.advantage gae: `mb` holds per-token adv_BxC,
+    returns_BxC and old_values_BxC) + vf_coef x the clipped value loss (`jaxrl.rl.gae`); for
+    a mixture of experts with algo.router_aux_coef > 0, + that x the load-balancing loss."""
     aux = uses_router_aux(cfg.router_aux_coef, model.config)
-    logp_BxC, entropy_BxC, *stats = completion_log_probs(
-        model, mb, temperature, cfg.logprob_chunk_size, unroll=unroll,
-        prompt_group=prompt_group, router_stats=aux)
+    hidden_BxCxE, *stats = completion_hidden(model, mb, prompt_group, router_stats=aux)
+    logp_BxC, entropy_BxC = completion_log_probs(model, mb, temperature,
+                                                 cfg.logprob_chunk_size, unroll=unroll,
+                                                 hidden_BxCxE=hidden_BxCxE)
     old_logp_BxC = mb.get("old_logp_BxC")
     if old_logp_BxC is None:  # one update per step: this forward is the old policy's
         old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
     loss, metrics = policy_loss(
-        logp_BxC, old_logp_BxC, mb["adv_B"], mb["loss_mask_BxC"], cfg.loss,
+        logp_BxC, old_logp_BxC, mb["adv_BxC"] if critic is not None else mb["adv_B"],
+        mb["loss_mask_BxC"], cfg.loss,
         ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
         entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
         num_tokens=num_tokens, num_seqs=num_seqs, entropy_coef=entropy_coef)
     if aux:  # + algo.router_aux_coef x the load-balancing loss (jaxrl.step.router_aux)
         loss, metrics = add_router_aux(cfg.router_aux_coef, model.config, stats[0], mb,
                                        num_tokens, loss, metrics)
-    return loss, metrics
+    if critic is None:
+        return loss, metrics
+    values_BxC = critic.head(hidden_BxCxE if critic.trunk is None else
+                             completion_hidden(critic.trunk, mb, prompt_group)[0])
+    v_loss, v_metrics = value_loss(
+        values_BxC, mb["old_values_BxC"], mb["returns_BxC"], mb["loss_mask_BxC"],
+        cfg.critic.value_clip, cfg.loss.aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+        max_completion_len=mb["loss_mask_BxC"].shape[1])
+    return loss + cfg.critic.vf_coef * v_loss, metrics | v_metrics
 
 
 def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float, *,
@@ -302,9 +326,10 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     if not cfg.loss.uses_sampler_logp:
         del batch["sampler_logp_BxC"]
 
-    def loss_fn(model, mb, num_tokens, num_seqs, entropy_coef=None):
+    def loss_fn(trainable, mb, num_tokens, num_seqs, entropy_coef=None):
+        model, critic = trainable if isinstance(trainable, tuple) else (trainable, None)
         return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature,
-                               entropy_coef=entropy_coef, prompt_group=group)
+                               entropy_coef=entropy_coef, prompt_group=group, critic=critic)
 
     graphdef = nnx.graphdef(ts)
 
@@ -312,24 +337,27 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         ts = nnx.merge(graphdef, state, copy=True)
         counts_B = jnp.sum(mini["loss_mask_BxC"], axis=1)
         num_tokens, num_seqs = jnp.sum(counts_B), jnp.sum(counts_B > 0)
-        params = nnx.state(ts.model, nnx.Param)
+        params = jax.tree.map(lambda m: nnx.state(m, nnx.Param), ts.trainable(),
+                              is_leaf=lambda x: isinstance(x, nnx.Module))
         entropy_coef = entropy_coef_at(cfg, ts.step)
 
         def accumulate(carry, mb):
-            model = nnx.merge(graphdef, state, copy=True).model
+            model = nnx.merge(graphdef, state, copy=True).trainable()
             (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
                 model, mb, num_tokens, num_seqs, entropy_coef)
             return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
         zero_metrics = jax.eval_shape(
-            lambda mb: loss_fn(nnx.merge(graphdef, state, copy=True).model, mb, num_tokens,
+            lambda mb: loss_fn(nnx.merge(graphdef, state, copy=True).trainable(), mb, num_tokens,
                                num_seqs)[1],
             jax.tree.map(lambda x: x[:minibatch // num_micro], mini))
         zeros = (jax.tree.map(jnp.zeros_like, params),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics))
         (grads, metrics), _ = _scan(
             accumulate, zeros, jax.tree.map(lambda x: _split(x, num_micro), mini))
-        metrics["grad_norm"] = optax.tree.norm(grads)
+        if isinstance(grads, tuple):  # (policy, critic): each clipped by its own optimizer
+            metrics["value/grad_norm"] = optax.tree.norm(grads[1])
+        metrics["grad_norm"] = optax.tree.norm(grads[0] if isinstance(grads, tuple) else grads)
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(ts.step), jnp.float32)
         if cfg.entropy_decay_start is not None:
@@ -344,12 +372,12 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         # against 98-115 ms, although the profile's summed op time was lower; why, not found).
         finite = jnp.isfinite(metrics["grad_norm"])
         for name, value in metrics.items():
-            if name.startswith("loss/"):
+            if name.startswith(("loss/", "value/loss")):
                 finite &= jnp.isfinite(value)
 
         def apply(state, grads):
             ts = nnx.merge(graphdef, state, copy=True)
-            ts.apply_gradients(grads)
+            ts.apply_gradients(grads, cfg.critic.warmup_steps * cfg.updates_per_step)
             return nnx.state(ts)
 
         if cfg.single_update:

@@ -1,7 +1,9 @@
 """The train state (policy + optimizer), created already sharded, and the KL reference copy.
 
 `TrainState` is an nnx Module holding the policy (`model`) and an `nnx.Optimizer` over its
-`nnx.Param`s (`optimizer`: the optax state and the update count `step`). nnx.Optimizer copies
+`nnx.Param`s (`optimizer`: the optax state and the update count `step`); with PPO's critic
+(`algo.advantage: gae`) also the `critic` (`jaxrl.step.value_model.Critic`) and its own
+`critic_optimizer`, so that donation and checkpoints carry it like the policy. nnx.Optimizer copies
 each parameter's metadata, logical axes included, onto its Adam moments, so one
 `state_shardings` call places every moment exactly like its parameter; the counters carry no
 axes and are replicated.
@@ -13,6 +15,7 @@ neither parameters nor moments ever exist whole on one device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -22,8 +25,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.config import OptimSection
+from jaxrl.config.critic import CriticSection
 from jaxrl.sharding import AxisRules, create_sharded, state_shardings
 from jaxrl.step.optimizer import make_optimizer, weight_decay_mask
+from jaxrl.step.value_model import Critic
 
 
 class SkipCount(nnx.Variable):
@@ -33,9 +38,14 @@ class SkipCount(nnx.Variable):
 class TrainState(nnx.Module):
     """The policy and its optimizer; a jitted step takes `nnx.split(train_state)` and donates it."""
 
-    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
+                 critic: Critic | None = None,
+                 critic_tx: optax.GradientTransformation | None = None):
         self.model = model
         self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.critic = critic
+        if critic is not None:
+            self.critic_optimizer = nnx.Optimizer(critic, critic_tx, wrt=nnx.Param)
         # Kept with the optimizer state (and its checkpoint): steps with a skipped update.
         self.optimizer.skipped_steps = SkipCount(jnp.zeros((), jnp.int32))
         self.optimizer.skipped_in_a_row = SkipCount(jnp.zeros((), jnp.int32))
@@ -45,9 +55,33 @@ class TrainState(nnx.Module):
         """Updates applied so far (uint32); the schedule's `t` of the next update."""
         return self.optimizer.step[...]
 
-    def apply_gradients(self, grads: nnx.State) -> None:
-        """One optimizer update of the model's Params, in place; `grads` as from `nnx.grad`."""
-        self.optimizer.update(self.model, grads)
+    def trainable(self) -> nnx.Module | tuple[nnx.Module, Critic]:
+        """What the loss is differentiated with respect to: the policy, or (policy, critic)."""
+        return self.model if self.critic is None else (self.model, self.critic)
+
+    def apply_gradients(self, grads: nnx.State | tuple[nnx.State, nnx.State],
+                        critic_warmup_updates: int = 0) -> None:
+        """One optimizer update, in place; `grads` as from `nnx.grad` of `trainable()`. With a
+        critic: (policy grads, critic grads); the critic is always updated, the policy only
+        once the critic has made `critic_warmup_updates` updates (its warm-up)."""
+        if self.critic is None:
+            self.optimizer.update(self.model, grads)
+            return
+        grads, critic_grads = grads
+        warm = self.critic_optimizer.step[...] >= critic_warmup_updates
+        self.critic_optimizer.update(self.critic, critic_grads)
+        if not critic_warmup_updates:
+            self.optimizer.update(self.model, grads)
+            return
+        graphdef, policy = nnx.split((self.model, self.optimizer))
+
+        def update(policy, grads):
+            model, optimizer = nnx.merge(graphdef, policy, copy=True)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer))
+
+        nnx.update((self.model, self.optimizer),
+                   jax.lax.cond(warm, update, lambda policy, grads: policy, policy, grads))
 
     def count_skips(self, skipped_updates: jax.Array) -> dict[str, jax.Array]:
         """Counts a step that skipped `skipped_updates` updates (non-finite loss or gradient);
@@ -61,21 +95,45 @@ class TrainState(nnx.Module):
                 "train/skipped_in_a_row": opt.skipped_in_a_row[...]}
 
 
+def _with_critic(build_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                 optim_cfg: OptimSection, critic: CriticSection | None,
+                 ) -> Callable[[], TrainState]:
+    """A constructor of the TrainState of `build_model()`'s policy and, when `critic` is
+    given, its critic: a value head, on a second `build_model()` (the policy's weights) for
+    a separate critic, trained by optim's schedule at `critic.lr`."""
+    if critic is None:
+        return lambda: TrainState(build_model(), tx)
+
+    def make_critic() -> Critic:
+        model = build_model() if critic.kind == "separate" else None
+        hidden = (model or nnx.eval_shape(build_model)).config.hidden_size
+        return Critic(hidden, model)
+
+    mask = weight_decay_mask(nnx.state(nnx.eval_shape(make_critic), nnx.Param))
+    critic_tx = make_optimizer(dataclasses.replace(optim_cfg, lr=critic.lr or optim_cfg.lr),
+                               mask)
+    return lambda: TrainState(build_model(), tx, make_critic(), critic_tx)
+
+
 def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimSection,
-                       mesh: Mesh, rules: AxisRules) -> TrainState:
+                       mesh: Mesh, rules: AxisRules,
+                       critic: CriticSection | None = None) -> TrainState:
     """The policy from `build_model()` (which seeds its own RNG) and its optimizer state,
-    created straight into `rules` on `mesh`.
+    created straight into `rules` on `mesh`; with `critic` (algo.advantage gae) the critic
+    and its optimizer too (a separate critic's trunk: another `build_model()`).
     """
     # The decay mask needs the parameters' logical axes, which the optimizer never sees.
     mask = weight_decay_mask(nnx.state(nnx.eval_shape(build_model), nnx.Param))
     tx = make_optimizer(optim_cfg, mask)
-    return create_sharded(lambda: TrainState(build_model(), tx), mesh, rules)
+    return create_sharded(_with_critic(build_model, tx, optim_cfg, critic), mesh, rules)
 
 
 def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mesh,
-                           rules: AxisRules) -> TrainState:
+                           rules: AxisRules, critic: CriticSection | None = None,
+                           ) -> TrainState:
     """A TrainState around an already built (loaded) policy, its optimizer state created
-    straight into `rules` on `mesh`.
+    straight into `rules` on `mesh`; with `critic`, the critic too (a separate critic's
+    trunk a copy of the policy's weights).
 
     The model's arrays are donated to the program that builds the state: `model` must not be
     used afterwards (use the returned state's `.model`).
@@ -85,7 +143,9 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
     graphdef, state = nnx.split(model)
 
     def build(state):
-        return nnx.split(TrainState(nnx.merge(graphdef, state), tx))
+        # copy=True: a separate critic's trunk gets Variables of its own, not the policy's.
+        return nnx.split(_with_critic(lambda: nnx.merge(graphdef, state, copy=True), tx,
+                                      optim_cfg, critic)())
 
     ts_graphdef, abstract = jax.eval_shape(build, state)
     shardings = state_shardings(abstract, mesh, rules)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
@@ -41,9 +42,38 @@ def test_quickstart_learns_in_a_few_dozen_steps(tmp_path):
     assert "step 100/100" in result.stderr  # progress lines when stderr is not a terminal
 
 
+def test_quickstart_learns_with_ppo_and_a_critic(tmp_path):
+    """PPO (per-token GAE from a separate critic initialised from the policy) on the
+    quickstart task through the CLI: the reward climbs well above chance in 100 steps."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    jaxrl = Path(sys.executable).parent / "jaxrl"
+    result = subprocess.run(
+        [str(jaxrl), "train", QUICKSTART, f"train.run_dir={tmp_path}",
+         f"train.max_steps={LEARNING_STEPS}", "algo.advantage=gae",
+         "algo.mask_zero_std_groups=false", "eval.num_prompts=0", "perf.count_flops=false",
+         "log.plot=false", "log.tensorboard=false", "train.save_final=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == LEARNING_STEPS
+    first = records[0]["reward/mean"]
+    last = sum(r["reward/mean"] for r in records[-20:]) / 20
+    # Measured (seed 0): 0.06 at step 0, 0.49 over steps 75-99 (0.69 by step 400). GRPO's
+    # test asks first + 0.2; PPO must clear chance (0.06) by far more.
+    assert first < 0.15 and last > 0.4, (first, last)
+    # The critic trained: its loss and fit are logged each step, and its values follow the
+    # reward (the head starts at 0).
+    assert all(np.isfinite(r["value/loss"]) and np.isfinite(r["value/explained_variance"])
+               for r in records)
+    assert records[0]["value/mean"] == 0 and records[-1]["value/mean"] > 0.2
+    assert json.loads(result.stdout.strip().splitlines()[-1])["step_compilations"] == 1
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["algo.los.beta=0.1"], ["algo.los", "Did you mean: 'loss'"]),
-    (["algo.advantage=ppo"], ["algo.advantage", "ppo", "rloo"]),
+    (["algo.advantage=ppo"], ["algo.advantage", "ppo", "rloo", "gae"]),
+    (["algo.advantage=gae", "algo.mode=async"], ["algo.advantage", "algo.mode=async", "gae"]),
+    (["algo.critic.kind=shared"], ["algo.critic.kind", "shared", "value_head"]),
     (["data.batch_size=0"], ["data.batch_size", "0"]),
     (["optim.lr=-1"], ["optim.lr", "-1"]),
     (["algo.num_minibatches=3"], ["num_minibatches=3", "256 rows"]),

@@ -4,6 +4,7 @@ import pytest
 
 from jaxrl.config import AlgoSection, ConfigError, OptimSection, load_config
 from jaxrl.config.algo import resolve_logprob_chunk
+from jaxrl.config.critic import CriticSection
 
 
 def test_config_is_validated_with_field_and_value():
@@ -64,3 +65,32 @@ def test_auto_logprob_chunk_is_whole_logits_up_to_16384_columns_then_chunks_of_1
     assert resolve_logprob_chunk(128, 4096) == 128
     assert resolve_logprob_chunk(4096, 4096) is None  # a chunk of the whole vocabulary
     assert resolve_logprob_chunk(None, 151_936) is None
+
+
+@pytest.mark.parametrize("field, value, requirement", [
+    ("kind", "shared", "one of"),
+    ("gamma", 1.5, r"a number in \[0, 1\]"),
+    ("lam", -0.1, r"a number in \[0, 1\]"),
+    ("value_clip", 0.0, "a finite number > 0, or None"),
+    ("vf_coef", 0.0, "a finite number > 0"),
+    ("warmup_steps", -1, "an integer >= 0"),
+    ("warmup_steps", 1.5, "an integer >= 0"),
+    ("whiten_advantages", "yes", "a bool"),
+    ("lr", float("inf"), "a finite number > 0, or None"),
+])
+def test_bad_critic_values_name_the_key(field, value, requirement):
+    with pytest.raises(ValueError, match=rf"algo\.critic\.{field} must be {requirement}.*got "
+                                         rf"{value!r}"):
+        CriticSection(**{field: value})
+
+
+def test_gae_loads_with_its_critic_and_is_refused_in_async_mode():
+    cfg = load_config(AlgoSection, None, ["advantage=gae", "critic.kind=value_head",
+                                          "critic.lam=1.0", "critic.value_clip=null"])
+    assert cfg.advantage == "gae"
+    assert cfg.critic == CriticSection(kind="value_head", lam=1.0, value_clip=None)
+    with pytest.raises(ValueError, match=r"algo\.advantage must be 'grpo', 'rloo' or 'dr_grpo' "
+                                         r"with algo\.mode=async.*got 'gae'"):
+        AlgoSection(advantage="gae", mode="async")
+    with pytest.raises(ConfigError, match=r"critic\.kind.*'both'.*'separate', 'value_head'"):
+        load_config(AlgoSection, None, ["critic.kind=both"])

@@ -233,3 +233,19 @@ def test_bad_config_names_the_field_and_value(field, value):
 def test_missing_inputs_are_errors(cfg, message):
     with pytest.raises(ValueError, match=message):
         policy_loss(LOGP, OLD, ADV, MASK, cfg)
+
+
+def test_per_token_advantages_weight_each_token():
+    # PPO's GAE gives one advantage per token (shape [B, T]). A row-constant one is the
+    # per-sequence loss; otherwise, by hand, with row 0's A = [+1, -1, +2], row 1's all -1:
+    #   row 0: -min([1.5, -0.5, 2.2], [1.28, -0.8, 2.2]) = [-1.28, 0.8, -2.2]
+    #   row 1 as in test_clipped_objective_by_hand: [1.5, 0.8, 1.1]
+    #   token mean = (-1.28 + 0.8 - 2.2 + 1.5 + 0.8 + 1.1) / 6 = 0.72 / 6 = 0.12
+    constant = jnp.broadcast_to(ADV[:, None], LOGP.shape)
+    np.testing.assert_allclose(policy_loss(LOGP, OLD, constant, MASK, DAPO)[0],
+                               policy_loss(LOGP, OLD, ADV, MASK, DAPO)[0], rtol=1e-6)
+    per_token = jnp.array([[1.0, -1.0, 2.0], [-1.0, -1.0, -1.0]])
+    loss, metrics = policy_loss(LOGP, OLD, per_token, MASK, DAPO)
+    np.testing.assert_allclose(loss, 0.72 / 6, rtol=1e-5)
+    # Clipped (strictly smaller clipped branch): row 0 tokens 0 and 1, row 1 token 1.
+    np.testing.assert_allclose(metrics["clip_frac"], 3 / 6, rtol=1e-6)

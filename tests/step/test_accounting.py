@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.config import AlgoSection, OptimSection
+from jaxrl.config.critic import CriticSection
 from jaxrl.models import Transformer
 from jaxrl.models.config import tiny_config
 from jaxrl.perf.flops import program_cost
@@ -39,7 +40,8 @@ def _account(layout="single", remat="none", chunk=None, layers=2, algo=ALGO, bas
     lay = load_layout(layout)
     mesh = make_mesh(lay, jax.devices()[:1] if layout == "single" else None)
     ts = create_train_state(lambda: Transformer(config, rngs=nnx.Rngs(0)), OptimSection(), mesh,
-                            lay.train_rules)
+                            lay.train_rules,
+                            critic=algo.critic if algo.advantage == "gae" else None)
     graphdef, state = nnx.split(ts)
     algo = dataclasses.replace(algo, logprob_chunk_size=chunk)
     sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
@@ -169,3 +171,21 @@ def test_a_prompt_shared_by_its_group_is_counted_once_per_microbatch():
         assert xla_shared < xla_whole
         assert xla_shared / xla_whole == pytest.approx(analytic_shared / analytic_whole,
                                                        rel=0.02), phase
+
+
+@pytest.mark.parametrize("kind", ["separate", "value_head"])
+def test_ppo_critic_work_is_counted_and_matches_the_analytic_count(kind):
+    ppo = dataclasses.replace(ALGO, advantage="gae", critic=CriticSection(kind=kind))
+    acc, grpo = _phases(_account(algo=ppo).model), _phases(_account().model)
+    analytic = _phases(_account(algo=ppo).analytic)
+    assert acc["values"].trips == 4  # V_old: one forward per microbatch of the 16 rows
+    for phase in ("values", "grad"):
+        xla, expected = acc[phase].cost.flops, analytic[phase].cost.flops
+        assert expected <= xla <= 1.05 * expected, (phase, xla, expected)
+    # The values forward is a trunk without the vocabulary projection: less than a log-prob
+    # forward. A separate critic's trunk doubles the gradient's layer work; a value head
+    # adds only its own few FLOPs.
+    assert acc["values"].cost.flops < grpo["logprobs"].cost.flops
+    ratio = acc["grad"].cost.flops / grpo["grad"].cost.flops
+    assert 1.5 < ratio < 2.0 if kind == "separate" else 1.0 < ratio < 1.02, ratio
+    assert acc["update"].cost.flops > grpo["update"].cost.flops
