@@ -139,7 +139,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     model = from_pretrained(model_path, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
-                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
+                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
+                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
     model_config = model.config
     processes = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
     console.print(f"[bold]policy[/]: {model_config.model_type}, "

@@ -34,7 +34,8 @@ def load_run_policy(run_dir: str | Path, step: int | None = None
     # The checkpoint's tree is the one training used: the same dtype and layer stacking.
     model = from_pretrained(model_dir, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype,
-                            scan_layers=cfg.model.scan_layers)
+                            scan_layers=cfg.model.scan_layers,
+                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
     checkpoints = Checkpoints(run_dir, async_save=False)
     try:
         step, params = checkpoints.restore_model(nnx.state(model), step)

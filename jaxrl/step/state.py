@@ -1,7 +1,9 @@
 """The train state (policy + optimizer), created already sharded, and the KL reference copy.
 
 `TrainState` is an nnx Module holding the policy (`model`) and an `nnx.Optimizer` over its
-`nnx.Param`s (`optimizer`: the optax state and the update count `step`). nnx.Optimizer copies
+trainable parameters (`optimizer`: the optax state and the update count `step`): every
+`nnx.Param`, or with LoRA only the adapters' `nnx.LoRAParam`s (`jaxrl.models.lora.trainable`),
+so the frozen base has neither gradients nor Adam moments. nnx.Optimizer copies
 each parameter's metadata, logical axes included, onto its Adam moments, so one
 `state_shardings` call places every moment exactly like its parameter; the counters carry no
 axes and are replicated.
@@ -22,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.config import OptimSection
+from jaxrl.models.lora import trainable
 from jaxrl.sharding import AxisRules, create_sharded, state_shardings
 from jaxrl.step.optimizer import make_optimizer, weight_decay_mask
 
@@ -35,7 +38,7 @@ class TrainState(nnx.Module):
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
         self.model = model
-        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.optimizer = nnx.Optimizer(model, tx, wrt=trainable(model))
         # Kept with the optimizer state (and its checkpoint): steps with a skipped update.
         self.optimizer.skipped_steps = SkipCount(jnp.zeros((), jnp.int32))
         self.optimizer.skipped_in_a_row = SkipCount(jnp.zeros((), jnp.int32))
@@ -46,7 +49,8 @@ class TrainState(nnx.Module):
         return self.optimizer.step[...]
 
     def apply_gradients(self, grads: nnx.State) -> None:
-        """One optimizer update of the model's Params, in place; `grads` as from `nnx.grad`."""
+        """One optimizer update of the trainable params, in place; `grads` as from `nnx.grad`
+        with `trainable(model)`."""
         self.optimizer.update(self.model, grads)
 
     def count_skips(self, skipped_updates: jax.Array) -> dict[str, jax.Array]:
@@ -67,7 +71,8 @@ def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimSe
     created straight into `rules` on `mesh`.
     """
     # The decay mask needs the parameters' logical axes, which the optimizer never sees.
-    mask = weight_decay_mask(nnx.state(nnx.eval_shape(build_model), nnx.Param))
+    abstract = nnx.eval_shape(build_model)
+    mask = weight_decay_mask(nnx.state(abstract, trainable(abstract)))
     tx = make_optimizer(optim_cfg, mask)
     return create_sharded(lambda: TrainState(build_model(), tx), mesh, rules)
 
@@ -80,7 +85,7 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
     The model's arrays are donated to the program that builds the state: `model` must not be
     used afterwards (use the returned state's `.model`).
     """
-    mask = weight_decay_mask(nnx.state(model, nnx.Param))
+    mask = weight_decay_mask(nnx.state(model, trainable(model)))
     tx = make_optimizer(optim_cfg, mask)
     graphdef, state = nnx.split(model)
 
@@ -93,12 +98,15 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
     return nnx.merge(ts_graphdef, out)
 
 
-def reference_params(state: TrainState) -> nnx.State:
-    """A frozen copy of the policy's Params, for the KL term (needed only when beta > 0).
+def reference_params(state: TrainState) -> nnx.State | None:
+    """A frozen copy of the policy's Params, for the KL term (needed only when beta > 0);
+    None with LoRA, whose reference is the base model itself (`train_on`).
 
     The copy has its own buffers with the same shardings: a step that donates the train state
     would otherwise delete the reference with it. Run it as
     `nnx.merge(nnx.graphdef(state.model), ref)`; pass it to the step as a non-donated,
     non-differentiated argument. It costs one more copy of the parameters in memory.
     """
+    if trainable(state.model) is nnx.LoRAParam:
+        return None
     return jax.tree.map(lambda x: x.copy(), nnx.state(state.model, nnx.Param))
