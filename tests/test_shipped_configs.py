@@ -21,7 +21,8 @@ from tests.conftest import make_tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Real recipes and the model family each one trains.
-RECIPES = {"grpo_gsm8k_qwen2.5-1.5b.yaml": "qwen2", "dapo_gsm8k_llama3.2-3b.yaml": "llama"}
+RECIPES = {"grpo_gsm8k_qwen2.5-1.5b.yaml": "qwen2", "dapo_gsm8k_llama3.2-3b.yaml": "llama",
+           "lora_grpo_gsm8k_llama3.2-1b.yaml": "llama"}
 SCHEMAS = {"check.yaml": CheckConfig, "generate.yaml": GenerateConfig,
            "quickstart.yaml": ExperimentConfig, **dict.fromkeys(RECIPES, ExperimentConfig)}
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

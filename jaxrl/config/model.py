@@ -50,10 +50,17 @@ class InitSection:
     tie_word_embeddings: bool = True
     rope_theta: float = 10_000.0
     vocab_size: int | None = None  # null: the tokenizer's; larger: extra rows (benchmarks)
+    # The token embeddings' init std (the output layer's too when tied); transformers' 0.02.
+    # A LoRA run on a random base trains no embedding: at 0.02 its frozen tied output layer
+    # caps a logit's lead at ~1.3 (|normed h| = sqrt(E) = 8 times |e_v| = 0.02 sqrt(E) = 0.16),
+    # too little for a confident answer; the LoRA quickstart uses 0.1.
+    embed_std: float = 0.02
 
     def __post_init__(self):
         if not self.rope_theta > 0:
             fail("model.init", self, "rope_theta", "> 0")
+        if not self.embed_std > 0:
+            fail("model.init", self, "embed_std", "> 0")
         require_at_least("model.init", self, ("vocab_size",), note=" or null")
         require_at_least("model.init", self, ("hidden_size", "intermediate_size", "num_layers",
                                                "num_heads", "num_kv_heads"))

@@ -43,6 +43,7 @@ from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from jaxrl.distributed import broadcast, is_main, sync
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.models.layers import INIT_STD
 from jaxrl.perf import device_memory, format_bytes
 from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.placement import Placed, Placement
@@ -271,6 +272,8 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
     _check_init_fits(cfg, config, mesh)
     model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
                            layout.train_rules)
+    if init.embed_std != INIT_STD:  # drawn at INIT_STD: the same draw, rescaled
+        model.embed[...] = model.embed[...] * (init.embed_std / INIT_STD)
     return _save_hf(model, tokenizer, path)
 
 

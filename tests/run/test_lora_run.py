@@ -41,7 +41,6 @@ def lora_run(tmp_path_factory):
 
 
 def test_only_adapters_have_optimizer_state(tiny_config):
-
     config = tiny_config("qwen2", lora=LoraConfig(2, 4.0, LORA_MODULES))
     ts = TrainState(Transformer(config, rngs=nnx.Rngs(0)), make_optimizer(OptimSection()))
     moments = [(p, v) for p, v in nnx.to_flat_state(nnx.state(ts.optimizer))
