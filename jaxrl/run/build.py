@@ -148,6 +148,13 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                   f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
                   f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}, "
                   f"layout {layout.name}")
+    if model_config.lora is not None:
+        lora = model_config.lora
+        adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+        console.print(f"[bold]LoRA[/]: rank {lora.rank}, alpha {lora.alpha:g} on "
+                      f"{', '.join(lora.targets)}: {adapters:,} trainable parameters "
+                      f"({adapters / model_config.num_params():.2%}; the base is frozen), "
+                      f"rollout {lora.rollout}")
     if rollout_mesh is not None:
         console.print(f"[bold]async[/]: {rollout_mesh.size} rollout devices (mesh "
                       f"{dict(rollout_mesh.shape)}, layout {rollout_layout.name}) and "
