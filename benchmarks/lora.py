@@ -5,7 +5,7 @@
 
 Part `step`: `jaxrl bench` of the quickstart workload (addition, 32 prompts x 8 samples, 4
 new tokens, 16 optimizer updates per step) on a wider random policy (E = --hidden, 4 layers,
-F = 4E: ~3.3M parameters at E = 256), once with full fine-tuning and once with
+F = 4E: ~3.9M parameters at E = 256), once with full fine-tuning and once with
 `model.lora.rank=8` on every projection, alternated --rounds times in one sitting (this
 machine's 2 cores change speed between sittings). Reported per run: the median step time,
 its generate/train split, and XLA's planned peak memory of the step program; then the LoRA /
@@ -58,14 +58,14 @@ def part_step(args) -> None:
         for name in ("full", "lora"):
             r = bench_step(args.hidden, name == "lora", args.steps)
             runs[name].append(r)
-            print(f"{name:5s} step {r['median_step_s'] * 1e3:7.1f} ms  generate "
+            print(f"{name:5s} step {r['step_s'] * 1e3:7.1f} ms  generate "
                   f"{(r.get('generate_s') or 0) * 1e3:6.1f} ms  train "
                   f"{(r.get('train_s') or 0) * 1e3:6.1f} ms  peak "
                   f"{r['peak_memory_bytes'] / 2**20:6.1f} MiB", flush=True)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("median_step_s",
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("step_s",
                                                                  "peak_memory_bytes")}
            for k, v in runs.items()}
-    print(f"LoRA / full: step time {med['lora']['median_step_s'] / med['full']['median_step_s']:.2f}"
+    print(f"LoRA / full: step time {med['lora']['step_s'] / med['full']['step_s']:.2f}"
           f", peak memory {med['lora']['peak_memory_bytes'] / med['full']['peak_memory_bytes']:.2f}")
 
 
