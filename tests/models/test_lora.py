@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft  # the dev extra's (pyproject.toml): CI runs these tests, never skips them
 import pytest
 import torch
 import transformers
@@ -16,8 +17,6 @@ from jaxrl.config import ExperimentConfig, load_config
 from jaxrl.models import Transformer, from_pretrained, save_pretrained
 from jaxrl.models.lora import LORA_MODULES, LoraConfig, match_targets, rollout_view, trainable
 from jaxrl.models.lora_peft import save_peft_adapter
-
-peft = pytest.importorskip("peft")  # a dev dependency: installed in CI, never skipped there
 
 
 def _random_adapters(model: nnx.Module, seed: int = 1, std: float = 0.2) -> None:

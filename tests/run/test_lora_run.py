@@ -8,6 +8,7 @@ import shutil
 
 import jax
 import numpy as np
+import peft  # the dev extra's (pyproject.toml): CI runs these tests, never skips them
 import pytest
 import torch
 import transformers
@@ -24,8 +25,6 @@ from jaxrl.run.saved_policy import load_run_policy
 from jaxrl.step.optimizer import make_optimizer
 from jaxrl.step.state import TrainState
 from tests.run.test_loop import NO_FLOPS, _config
-
-peft = pytest.importorskip("peft")  # a dev dependency: installed in CI, never skipped there
 
 LORA = [NO_FLOPS, "log.plot=false", "log.tensorboard=false", "eval.num_prompts=0",
         "train.save_final=false", "train.checkpoint_every=1", "model.lora.rank=4",
