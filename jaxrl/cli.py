@@ -140,12 +140,16 @@ def _export(args: argparse.Namespace, console: Console) -> int:
     if args.config is None or args.overrides:
         raise ConfigError(f"export takes one run directory and no overrides: "
                           f"jaxrl export RUN_DIR --out DIR, got {[args.config, *args.overrides]}")
-    print(json.dumps(run_export(args.config, args.out, console, step=args.step)))
+    print(json.dumps(run_export(args.config, args.out, console, step=args.step,
+                                adapter=args.adapter)))
     return 0
 
 
 def _export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the new HF model directory to write")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write its adapters as a PEFT adapter directory "
+                             "instead of the merged model")
     _step_option("export")(parser)
 
 

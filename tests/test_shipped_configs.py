@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Real recipes and the model family each one trains.
 RECIPES = {"grpo_gsm8k_qwen2.5-1.5b.yaml": "qwen2", "dapo_gsm8k_llama3.2-3b.yaml": "llama",
            "grpo_gsm8k_qwen3-30b-a3b.yaml": "qwen3_moe",
-           "ppo_gsm8k_qwen2.5-0.5b.yaml": "qwen2"}
+           "ppo_gsm8k_qwen2.5-0.5b.yaml": "qwen2",
+           "lora_grpo_gsm8k_llama3.2-1b.yaml": "llama"}
 SCHEMAS = {"check.yaml": CheckConfig, "generate.yaml": GenerateConfig,
            "quickstart.yaml": ExperimentConfig, **dict.fromkeys(RECIPES, ExperimentConfig)}
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

@@ -7,8 +7,13 @@
                                   generation_config.json, tokenizer files
 
 The result loads in transformers (`AutoModelForCausalLM.from_pretrained(DIR)`) and in
-`jaxrl.models.from_pretrained`, with the checkpoint's exact parameter values. `--out` must be a
-new or empty directory: an export never overwrites a model.
+`jaxrl.models.from_pretrained`, with the checkpoint's exact parameter values (a LoRA run's as
+its merged weights, W + s · A B). `--out` must be a new or empty directory: an export never
+overwrites a model.
+
+`--adapter` (LoRA runs): the adapters alone as a PEFT adapter directory (adapter_config.json,
+adapter_model.safetensors; `jaxrl.models.lora_peft`) for the run's base model, which
+`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), DIR)` loads.
 """
 
 from __future__ import annotations
@@ -21,17 +26,28 @@ from rich.console import Console
 from jaxrl.config import ConfigError
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import save_pretrained
+from jaxrl.models.lora_peft import save_peft_adapter
 from jaxrl.run.saved_policy import load_run_policy
 
 
 def run_export(run_dir: str | Path, out: str | Path, console: Console, *,
-               step: int | None = None) -> dict[str, Any]:
-    """Writes checkpoint `step` (default: the newest) of `run_dir` to `out`; returns a summary."""
+               step: int | None = None, adapter: bool = False) -> dict[str, Any]:
+    """Writes checkpoint `step` (default: the newest) of `run_dir` to `out` (with `adapter`
+    its LoRA adapters as a PEFT directory); returns a summary."""
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {str(out)!r} already exists and is not an empty directory; "
                           f"choose a new one")
     step, model, model_dir = load_run_policy(run_dir, step)
+    if adapter:
+        if model.config.lora is None:
+            raise ConfigError(f"--adapter: {str(run_dir)!r} trained without LoRA (model.lora "
+                              f"is null); export the full model without --adapter")
+        files = save_peft_adapter(model, out, str(model_dir.resolve()))
+        console.print(f"[bold]export[/]: LoRA adapters of step {step} of {run_dir} -> {out} "
+                      f"(base {model_dir})")
+        return {"run_dir": str(run_dir), "step": step, "out": str(out), "files": files,
+                "base_model": str(model_dir.resolve())}
     save_pretrained(model, out)
     load_tokenizer(model_dir).save_pretrained(str(out))
     console.print(f"[bold]export[/]: step {step} of {run_dir} -> {out}")

@@ -2,6 +2,7 @@
 
     model.path      a local HF directory; null (training only): a random `model.init` policy
     model.init      the sizes and family of that random policy
+    model.lora      LoRA adapters (rank, alpha, target modules); null: full fine-tuning
     sharding.layout a preset name in sharding/, a path to a layout YAML, or `auto`: one
                     device -> `single`, several -> `fsdp` over all of them
     sharding.rollout_devices, rollout_layout   the rollout side of algo.mode=async
@@ -13,6 +14,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.config.load import fail, require_at_least
+from jaxrl.models.lora import LORA_MODULES, LoraConfig, match_targets
 
 DType = Literal["float32", "bfloat16", "float16"]
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
@@ -54,10 +56,17 @@ class InitSection:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
     norm_topk_prob: bool = True
+    # The token embeddings' init std (the output layer's too when tied); transformers' 0.02.
+    # A LoRA run on a random base trains no embedding: at 0.02 its frozen tied output layer
+    # caps a logit's lead at ~1.3 (|normed h| = sqrt(E) = 8 times |e_v| = 0.02 sqrt(E) = 0.16),
+    # too little for a confident answer; the LoRA quickstart uses 0.1.
+    embed_std: float = 0.02
 
     def __post_init__(self):
         if not self.rope_theta > 0:
             fail("model.init", self, "rope_theta", "> 0")
+        if not self.embed_std > 0:
+            fail("model.init", self, "embed_std", "> 0")
         require_at_least("model.init", self, ("vocab_size",), note=" or null")
         require_at_least("model.init", self, ("hidden_size", "intermediate_size", "num_layers",
                                                "num_heads", "num_kv_heads"))
@@ -76,10 +85,47 @@ class InitSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """`model.lora`: low-rank adapters on the projections, trained instead of the weights
+    (`jaxrl.models.lora`): y = x W^T + (alpha / rank) · (x A^T) B^T."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    # Regexes, each fully matching HF module names (q_proj ... down_proj) or parent.name
+    # (self_attn.q_proj, mlp.up_proj); `.*_proj` targets all seven.
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_MODULES))
+    # Only 0: dropout on the adapters' input would make the trainer's forward differ from
+    # the sampler's (sampler == trainer log-probs) and from the old policy's of the same step.
+    dropout: float = 0.0
+    # How the rollout applies them: folded into the weights once per step (merged) or added
+    # at every decoded token (on_the_fly); benchmarks/README.md measures both.
+    rollout: Literal["merged", "on_the_fly"] = "merged"
+    seed: int = 0  # draws A (B starts at 0: the adapted policy starts as the base)
+
+    def __post_init__(self):
+        require_at_least("model.lora", self, ("rank",))
+        if not self.alpha > 0:
+            fail("model.lora", self, "alpha", "> 0")
+        if self.dropout != 0:
+            fail("model.lora", self, "dropout",
+                 "0.0 (adapter dropout would break sampler == trainer log-probs)")
+        try:
+            match_targets(tuple(self.target_modules))
+        except ValueError as e:
+            fail("model.lora", self, "target_modules", f"patterns that match modules ({e})")
+
+    def build(self) -> LoraConfig:
+        return LoraConfig(self.rank, self.alpha, match_targets(tuple(self.target_modules)),
+                          self.rollout, self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainModelSection(ModelSection):
-    """`model` of an experiment: `ModelSection` plus `init` for a random policy (path null)."""
+    """`model` of an experiment: `ModelSection` plus `init` for a random policy (path null)
+    and `lora` (null: full fine-tuning)."""
 
     init: InitSection = dataclasses.field(default_factory=InitSection)
+    lora: LoraSection | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from jaxrl.models.attention_kernels import PaddedRows, cudnn_attention, splash_a
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.dense import dense
 from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
+from jaxrl.models.lora import ATTENTION_MODULES, make_adapters
 from jaxrl.models.paged_attention import ragged_decode_attention, write_token_kv
 from jaxrl.sharding import constrain
 
@@ -95,6 +96,8 @@ class Attention(nnx.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
             self.k_norm = RMSNorm(h, "head_dim", config.rms_norm_eps, config)
+        # Drawn after the base (which a seed then draws as without adapters).
+        self.lora = make_adapters(ATTENTION_MODULES, config, rngs)
 
     def _project(self, x_BxTxE):
         """(q [B, T, K, G, H], k [B, T, K, H], v [B, T, K, H]) from one matmul."""
@@ -103,8 +106,21 @@ class Attention(nnx.Module):
         if self.config.qkv_bias:
             qkv_BxTxKxJxH = qkv_BxTxKxJxH + self.qkv_bias[...].astype(dt)
         g = qkv_BxTxKxJxH.shape[3] - 2
+        if self.lora is not None:
+            qkv_BxTxKxJxH = qkv_BxTxKxJxH + self._lora_qkv(x_BxTxE, qkv_BxTxKxJxH.shape)
         return (qkv_BxTxKxJxH[:, :, :, :g], qkv_BxTxKxJxH[:, :, :, g],
                 qkv_BxTxKxJxH[:, :, :, g + 1])
+
+    def _lora_qkv(self, x_BxTxE, shape):
+        """The adapters' s · (x A) B of q, k and v in the fused [B, T, K, G+2, H] layout."""
+        b, t, k, j, h = shape
+        dt = self.config.compute_dtype
+        parts = []
+        for module, size in (("q_proj", j - 2), ("k_proj", 1), ("v_proj", 1)):
+            delta = self.lora.delta(module, x_BxTxE, dt)
+            parts.append(jnp.zeros((b, t, k, size, h), dt) if delta is None
+                         else delta.reshape(b, t, k, size, h))
+        return jnp.concatenate(parts, axis=3)
 
     def __call__(
         self,
@@ -202,6 +218,11 @@ class Attention(nnx.Module):
         out_BxTxE = dense(out_BxTxKxGxH.reshape(b, t, k * g * h),
                           self.o_kernel[...].astype(cfg.compute_dtype).reshape(k * g * h, -1),
                           "btf,fe->bte")
+        if self.lora is not None:
+            delta_BxTxE = self.lora.delta("o_proj", out_BxTxKxGxH.reshape(b, t, k * g * h),
+                                          cfg.compute_dtype)
+            if delta_BxTxE is not None:
+                out_BxTxE = out_BxTxE + delta_BxTxE
         if cfg.o_bias:
             out_BxTxE = out_BxTxE + self.o_bias[...].astype(cfg.compute_dtype)
         return out_BxTxE

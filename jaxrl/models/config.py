@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
+from jaxrl.models.lora import LoraConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -97,6 +98,7 @@ class ModelConfig:
     # Runtime policy, not stored in the checkpoint.
     param_dtype: DTypeName = "float32"
     compute_dtype: DTypeName = "float32"
+    lora: LoraConfig | None = None  # adapters on the projections (`jaxrl.models.lora`)
     scan_layers: bool = False
     attention_impl: AttentionImpl = "auto"
     remat: Remat = "none"

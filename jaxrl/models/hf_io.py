@@ -35,6 +35,7 @@ from safetensors.numpy import save_file
 from jaxrl.models import hf_names
 from jaxrl.models.attention_kernels import resolve_attention_impl
 from jaxrl.models.config import AttentionImpl, ModelConfig, Remat, UnsupportedModelError
+from jaxrl.models.lora import LoraConfig, merged_params
 from jaxrl.models.transformer import Transformer
 from jaxrl.sharding.rules import AxisRules, state_shardings
 
@@ -60,6 +61,7 @@ def from_pretrained(
     scan_layers: bool = False,
     attention_impl: AttentionImpl = "auto",
     remat: Remat = "none",
+    lora: LoraConfig | None = None,
 ) -> Transformer:
     """Loads an HF model directory, each tensor straight onto its sharding under `rules`.
 
@@ -67,6 +69,7 @@ def from_pretrained(
     `dtype`. Without a mesh the model lives unsharded on `jax.local_devices()[0]`. `scan_layers`,
     `attention_impl` and `remat` are the runtime policy of `ModelConfig`; `attention_impl` is
     resolved for the platform of the mesh's devices (an impossible choice is a ValueError).
+    With `lora` the model gets new adapters (A drawn from `lora.seed`, B = 0) on the loaded base.
     """
     path = Path(path)
     if not path.is_dir():
@@ -86,15 +89,24 @@ def from_pretrained(
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     config = dataclasses.replace(config, attention_impl=resolve_attention_impl(
         attention_impl, platform=platform, compute_dtype=config.compute_dtype,
-        head_dim=config.head_dim))
+        head_dim=config.head_dim), lora=lora)
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    def build():
+        return Transformer(config, rngs=nnx.Rngs(0, lora=0 if lora is None else lora.seed))
+
+    graphdef, adapters, abstract = nnx.split(nnx.eval_shape(build), nnx.LoRAParam, ...)
     if mesh is None:
         device = SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda v: v.replace(device), abstract,
                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+        adapter_shardings = jax.tree.map(lambda v: v.replace(device), adapters,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable))
     else:
         shardings = state_shardings(abstract, mesh, rules)
+        adapter_shardings = state_shardings(adapters, mesh, rules)
+    if lora is not None:  # drawn in one program that computes nothing else (no random base)
+        adapters = jax.jit(lambda: nnx.state(build(), nnx.LoRAParam),
+                           out_shardings=adapter_shardings)()
 
     with ExitStack() as stack:
         checkpoint = _Checkpoint(path, stack)
@@ -114,11 +126,12 @@ def from_pretrained(
             for name, (p, variable), (_, sharding) in zip(
                 names, variables, nnx.to_flat_state(shardings), strict=True)
         ]
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    return nnx.merge(graphdef, adapters, nnx.from_flat_state(loaded))
 
 
 def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Writes `model` as an HF directory that `transformers` loads, in its parameter dtype.
+    """Writes `model` as an HF directory that `transformers` loads, in its parameter dtype
+    (a model with LoRA adapters as its merged weights, W + s · A B).
 
     One `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus
     `model.safetensors.index.json` when the tensors exceed `max_shard_bytes`. Weight files
@@ -128,7 +141,10 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     path = Path(path)
     writer = jax.process_index() == 0
     dtype = jnp.dtype(config.param_dtype)
-    variables = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    params = nnx.state(model, nnx.Param)
+    if config.lora is not None:
+        params = merged_params(nnx.clone(model))
+    variables = nnx.to_flat_state(params)
 
     # Plan the shards from shapes alone: tensors in variable order, a new shard whenever the
     # next tensor would overflow the current one.

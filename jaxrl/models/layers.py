@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.dense import dense
+from jaxrl.models.lora import MLP_MODULES, make_adapters
 from jaxrl.sharding import constrain
 
 INIT_STD = 0.02  # transformers' default initializer_range
@@ -65,10 +66,20 @@ class MLP(nnx.Module):
                              ("embed", "gate_up", "mlp"))
         self.down = param(normal(rngs, (f, e), config), ("mlp", "embed"))
         self.dtype = config.compute_dtype
+        self.lora = make_adapters(MLP_MODULES, config, rngs)  # drawn after the base
 
     def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
         dt = self.dtype
         gate_up_BxTx2xF = dense(x_BxTxE, self.gate_up[...].astype(dt), "bte,ecf->btcf")
         gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
+        if self.lora is not None:
+            gate_BxTxF, up_BxTxF = (self._adapted(name, x_BxTxE, y) for name, y in
+                                    (("gate_proj", gate_BxTxF), ("up_proj", up_BxTxF)))
         h_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "seq", "act_mlp"))
-        return dense(h_BxTxF, self.down[...].astype(dt), "btf,fe->bte")
+        return self._adapted("down_proj", h_BxTxF,
+                             dense(h_BxTxF, self.down[...].astype(dt), "btf,fe->bte"))
+
+    def _adapted(self, module, x_BxTxI, y_BxTxO):
+        """y plus `module`'s adapter output s · (x A) B (y as it is without one)."""
+        delta = None if self.lora is None else self.lora.delta(module, x_BxTxI, self.dtype)
+        return y_BxTxO if delta is None else y_BxTxO + delta

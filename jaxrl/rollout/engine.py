@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.models.lora import rollout_view
 from jaxrl.rollout import inflight
 from jaxrl.rollout.decode_loop import sample_continuous
 from jaxrl.rollout.inflight import Partial, constrain_partial
@@ -102,13 +103,15 @@ class Sampler:
         # Cast before resharding: the model casts every weight to the compute dtype at use
         # anyway, so gathering (and holding) the rollout copy in it halves the traffic of
         # fp32 weights with bf16 compute and changes no result.
-        params = to_compute_dtype(params, nnx.merge(self.graphdef, params).config.compute_dtype)
+        # LoRA with rollout=merged: the adapters folded into the weights, once per call.
+        graphdef, params = rollout_view(self.graphdef, params)
+        params = to_compute_dtype(params, nnx.merge(graphdef, params).config.compute_dtype)
         if self.mesh is None:
-            return run(nnx.merge(self.graphdef, params), prompts)
+            return run(nnx.merge(graphdef, params), prompts)
         params = jax.lax.with_sharding_constraint(
             params, state_shardings(params, self.mesh, self.rules))
         if prompts is not None:
             rows = self.rules.sharding(("batch", "seq"), prompts.ids_BxP.shape, self.mesh)
             prompts = Prompts(*(jax.lax.with_sharding_constraint(x, rows) for x in prompts))
         with use_rules(self.mesh, self.rules):
-            return run(nnx.merge(self.graphdef, params), prompts)
+            return run(nnx.merge(graphdef, params), prompts)

@@ -43,6 +43,7 @@ from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from jaxrl.distributed import broadcast, is_main, sync
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.models.layers import INIT_STD
 from jaxrl.perf import device_memory, format_bytes
 from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.placement import Placed, Placement
@@ -139,13 +140,21 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     model = from_pretrained(model_path, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
-                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
+                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
+                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
     model_config = model.config
     processes = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
     console.print(f"[bold]policy[/]: {model_config.model_type}, "
                   f"{model_config.num_params():,} parameters ({model_config.param_dtype}, "
                   f"compute {model_config.compute_dtype}); mesh {dict(mesh.shape)}{processes}, "
                   f"layout {layout.name}")
+    if model_config.lora is not None:
+        lora = model_config.lora
+        adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+        console.print(f"[bold]LoRA[/]: rank {lora.rank}, alpha {lora.alpha:g} on "
+                      f"{', '.join(lora.targets)}: {adapters:,} trainable parameters "
+                      f"({adapters / model_config.num_params():.2%}; the base is frozen), "
+                      f"rollout {lora.rollout}")
     if rollout_mesh is not None:
         console.print(f"[bold]async[/]: {rollout_mesh.size} rollout devices (mesh "
                       f"{dict(rollout_mesh.shape)}, layout {rollout_layout.name}) and "
@@ -280,6 +289,8 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
     _check_init_fits(cfg, config, mesh)
     model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
                            layout.train_rules)
+    if init.embed_std != INIT_STD:  # drawn at INIT_STD: the same draw, rescaled
+        model.embed[...] = model.embed[...] * (init.embed_std / INIT_STD)
     return _save_hf(model, tokenizer, path)
 
 

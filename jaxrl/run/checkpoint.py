@@ -2,7 +2,10 @@
 
 A checkpoint named k is taken after k steps (steps 0..k-1 done) and holds four items:
 
-    model      the policy's parameters (the TrainState's `model` part), each array sharded
+    model      the policy's parameters (the TrainState's `model` part), each array sharded;
+               with LoRA only the adapters (`nnx.LoRAParam`): the frozen base is referenced
+               in `meta` by its directory and the SHA-256 of its weight files, and a run that
+               loads another base is refused (`BaseMismatchError`) instead of resumed
     optimizer  the optimizer state: Adam moments, update counts, skip counters
     (critic, critic_optimizer: PPO's critic and its optimizer state, when the run has one)
     data       the prompt iterator and curriculum state (numpy arrays, `PromptBatches.state`)
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -88,10 +92,36 @@ def _abstract(tree: Any) -> Any:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-class Checkpoints:
-    """The checkpoints of one run directory (module docstring)."""
+class BaseMismatchError(RestoreError):
+    """A LoRA checkpoint whose adapters were trained on another base model."""
 
-    def __init__(self, run_dir: str | Path, *, keep: int | None = 3, async_save: bool = True):
+
+def base_reference(model_dir: str | Path) -> dict[str, str]:
+    """{path, sha256} of an HF base model: the hash of its *.safetensors files' bytes, in
+    name order (what the adapters of a LoRA checkpoint were trained on)."""
+    model_dir = Path(model_dir).absolute()
+    digest = hashlib.sha256()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return {"path": str(model_dir), "sha256": digest.hexdigest()}
+
+
+def _saved_model(model: nnx.State) -> nnx.State:
+    """What a checkpoint holds of the policy: its adapters with LoRA, else all of it."""
+    adapters = nnx.filter_state(model, nnx.LoRAParam)
+    return adapters if jax.tree.leaves(adapters) else model
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (module docstring). `base`: the LoRA base's
+    `base_reference`, written into and checked against each checkpoint's meta."""
+
+    def __init__(self, run_dir: str | Path, *, keep: int | None = 3, async_save: bool = True,
+                 base: dict[str, str] | None = None):
+        self.base = base
         self.directory = (Path(run_dir) / CHECKPOINT_DIR).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
@@ -113,8 +143,11 @@ class Checkpoints:
             raise ValueError("a checkpoint needs the prompt iterator's state; got no arrays")
         meta = {"step": int(step), "key": np.asarray(jax.random.key_data(key)).tolist(),
                 "key_impl": str(jax.random.key_impl(key)), "jaxrl_version": __version__}
+        model = _saved_model(state["model"])
+        if model is not state["model"] and self.base is not None:
+            meta["base_model"] = self.base
         items = dict(
-            model=ocp.args.StandardSave(nnx.to_pure_dict(state["model"])),
+            model=ocp.args.StandardSave(nnx.to_pure_dict(model)),
             optimizer=ocp.args.StandardSave(nnx.to_pure_dict(state["optimizer"])),
             data=ocp.args.StandardSave(data),
             meta=ocp.args.JsonSave(meta))
@@ -157,11 +190,14 @@ class Checkpoints:
         one) into the layout of `target` (a model's nnx.State): export and evaluation need no
         more."""
         args = ocp.args.Composite(
-            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target))))
+            model=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(_saved_model(target)))),
+            meta=ocp.args.JsonRestore())
 
         def read(at: int) -> tuple[int, nnx.State]:
             state = jax.tree.map(lambda x: x, target)
-            nnx.replace_by_pure_dict(state, self._manager.restore(at, args=args).model)
+            out = self._manager.restore(at, args=args)
+            self._check_base(at, dict(out.meta))
+            nnx.replace_by_pure_dict(state, out.model)
             return at, state
 
         found = self._read(read, step)
@@ -237,8 +273,19 @@ class Checkpoints:
         logger.warning("checkpoint %d in %s cannot be read: %s; fell back to checkpoint %d (%s)",
                        step, self.directory, moved, used, _why(error))
 
+    def _check_base(self, step: int, meta: dict[str, Any]) -> None:
+        """Refuses a LoRA checkpoint trained on another base than `self.base`."""
+        saved = meta.get("base_model")
+        if saved is None or self.base is None or saved["sha256"] == self.base["sha256"]:
+            return
+        raise BaseMismatchError(
+            f"checkpoint {step} in {self.directory} holds LoRA adapters trained on the base "
+            f"model {saved['path']} (weights sha256 {saved['sha256'][:16]}...), but this run "
+            f"loads {self.base['path']} (sha256 {self.base['sha256'][:16]}...): adapters "
+            f"only apply to their own base; set model.path to that base or start a new run")
+
     def _restore(self, step: int, target: nnx.State) -> Restored:
-        model, optimizer = target["model"], target["optimizer"]
+        model, optimizer = _saved_model(target["model"]), target["optimizer"]
         critic = {name: ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(target[name])))
                   for name in _CRITIC_ITEMS if name in target}
         out = self._manager.restore(step, args=ocp.args.Composite(
@@ -246,8 +293,9 @@ class Checkpoints:
             optimizer=ocp.args.StandardRestore(_abstract(nnx.to_pure_dict(optimizer))),
             data=ocp.args.StandardRestore(),
             meta=ocp.args.JsonRestore(), **critic))
+        self._check_base(step, dict(out.meta))
         state = jax.tree.map(lambda x: x, target)  # a new State of the same structure
-        nnx.replace_by_pure_dict(state["model"], out.model)
+        nnx.replace_by_pure_dict(state["model"], out.model)  # (LoRA: the adapters only)
         nnx.replace_by_pure_dict(state["optimizer"], out.optimizer)
         for name in critic:
             nnx.replace_by_pure_dict(state[name], out[name])

@@ -102,6 +102,7 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
             programs = _fit_kv_pool(run, (state, *args, run.ref_params), e, console)
             memory = check_fit(programs, limit, source, memory_suggestions(run))
         console.print(f"[bold]memory[/]: {memory.describe()}")
+        console.print(f"[bold]train state[/]: {_train_state_bytes(run, state)}")
     else:
         memory = MemoryReport(tuple(programs), limit, source)
         why = source if limit <= 0 else "XLA gave no memory analysis on this backend"
@@ -249,6 +250,21 @@ def memory_suggestions(run: Run) -> list[str]:
         out.append("model.dtype=bfloat16 (half the parameter and optimizer memory)")
     out.append(f"data.batch_size={max(1, cfg.data.batch_size // 2)} (fewer prompts per step)")
     return out
+
+
+def _train_state_bytes(run: Run, state: nnx.State) -> str:
+    """Per device: the policy, what of it is trained, and the optimizer state (with LoRA
+    the adapters and their moments only: what the report shows LoRA saving)."""
+    model, optimizer = _device_bytes(state["model"]), _device_bytes(state["optimizer"])
+    if run.cfg.model.lora is None:
+        return (f"policy {format_bytes(model)} (all trained), optimizer state "
+                f"{format_bytes(optimizer)} per device")
+    lora = run.cfg.model.lora
+    adapters = _device_bytes(nnx.filter_state(state["model"], nnx.LoRAParam))
+    return (f"policy {format_bytes(model)} of which LoRA adapters {format_bytes(adapters)} "
+            f"(rank {lora.rank}; the base is frozen), optimizer state "
+            f"{format_bytes(optimizer)} per device (a full fine-tune's would be about "
+            f"{format_bytes(2 * (model - adapters))})")
 
 
 def _device_bytes(tree: Any) -> int:

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, load_config
 from jaxrl.models import Transformer, from_pretrained
-from jaxrl.run.checkpoint import Checkpoints, RestoreError
+from jaxrl.run.checkpoint import Checkpoints, RestoreError, base_reference
 from jaxrl.run.run_dir import CONFIG_FILE, INIT_MODEL_DIR, MARKER_FILE, is_run_dir
 
 
@@ -34,8 +34,10 @@ def load_run_policy(run_dir: str | Path, step: int | None = None
     # The checkpoint's tree is the one training used: the same dtype and layer stacking.
     model = from_pretrained(model_dir, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype,
-                            scan_layers=cfg.model.scan_layers)
-    checkpoints = Checkpoints(run_dir, async_save=False)
+                            scan_layers=cfg.model.scan_layers,
+                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
+    checkpoints = Checkpoints(run_dir, async_save=False, base=None if cfg.model.lora is None
+                              else base_reference(model_dir))
     try:
         step, params = checkpoints.restore_model(nnx.state(model), step)
     except RestoreError as e:

@@ -28,10 +28,10 @@ from jaxrl.config import ExperimentConfig, RunDirError
 from jaxrl.data.prompts import PromptBatch
 from jaxrl.run.async_queue import queue_entries, restore_queue
 from jaxrl.run.build import Run, build_run
-from jaxrl.run.checkpoint import Checkpoints, restore_key
+from jaxrl.run.checkpoint import Checkpoints, base_reference, restore_key
 from jaxrl.run.placement import Placed
 from jaxrl.run.preflight import Preflight, preflight
-from jaxrl.run.run_dir import prepare_run_dir
+from jaxrl.run.run_dir import INIT_MODEL_DIR, prepare_run_dir
 from jaxrl.step.asynchronous import AsyncStep
 
 
@@ -78,6 +78,8 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
     checkpoints = Checkpoints(run_dir, keep=cfg.train.keep_checkpoints) if resumable else None
     try:
         run, state = build_run(cfg, run_dir, console, reuse_init=resume)
+        if checkpoints is not None and cfg.model.lora is not None:
+            checkpoints.base = base_reference(cfg.model.path or run_dir / INIT_MODEL_DIR)
         key, start_step, queued = jax.random.key(cfg.train.seed), 0, []
         if resume:
             state, key, start_step = _resume(run, state, checkpoints, console)

@@ -44,6 +44,7 @@ from flax import nnx
 from jaxrl.config.algo import AlgoSection, resolve_logprob_chunk
 from jaxrl.models import ModelConfig
 from jaxrl.models.dense import dense
+from jaxrl.models.lora import trainable
 from jaxrl.rl import (
     RewardInputs,
     RewardSet,
@@ -295,7 +296,9 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
              lr_schedule: optax.Schedule | None = None, group_size: int = 1,
              ) -> dict[str, jax.Array]:
     """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place;
-    `group_size`: consecutive rows sharing a prompt (G), for `prompt_group`.
+    `group_size`: consecutive rows sharing a prompt (G), for `prompt_group`. With LoRA
+    only the adapters are differentiated and updated, and the KL reference is the base model
+    (adapters off; `ref_params` is not used).
 
     Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
     (and tis/weight_mean, loss/router_aux with algo.router_aux_coef > 0 on an MoE policy), grad_norm (global norm before clipping), lr (when a schedule is
@@ -310,24 +313,34 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     active = active_rules()
     group = prompt_group(cfg, ts.model.config, group_size, rows, total_micro,
                          1 if active is None else active[1].size("batch", active[0]))
-    model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+    lora = trainable(ts.model) is nnx.LoRAParam
+    if lora:
+        # The KL reference is the base: the adapters' B zeroed (s · A · 0 = 0), no copy.
+        model_graphdef, adapters, params, rest = nnx.split(ts.model, nnx.LoRAParam,
+                                                           nnx.Param, ...)
+        policy = (adapters, params, rest)
+        ref_params = (jax.tree.map(jnp.zeros_like, adapters), params, rest)
+    else:
+        model_graphdef, params, rest = nnx.split(ts.model, nnx.Param, ...)
+        policy = (params, rest)
+        ref_params = None if ref_params is None else (ref_params, rest)
     batch = dict(batch)  # entries are added and removed below, never in the caller's dict
     if not cfg.single_update:
-        batch["old_logp_BxC"] = _forward_logp(model_graphdef, (params, rest), batch,
+        batch["old_logp_BxC"] = _forward_logp(model_graphdef, policy, batch,
                                               total_micro, temperature,
                                               cfg.logprob_chunk_size, group)
     if cfg.loss.beta > 0:
         if ref_params is None:
             raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
                              f"reference params (jaxrl.step.reference_params)")
-        batch["ref_logp_BxC"] = _forward_logp(model_graphdef, (ref_params, rest), batch,
+        batch["ref_logp_BxC"] = _forward_logp(model_graphdef, ref_params, batch,
                                               total_micro, temperature,
                                               cfg.logprob_chunk_size, group)
     if not cfg.loss.uses_sampler_logp:
         del batch["sampler_logp_BxC"]
 
-    def loss_fn(trainable, mb, num_tokens, num_seqs, entropy_coef=None):
-        model, critic = trainable if isinstance(trainable, tuple) else (trainable, None)
+    def loss_fn(targets, mb, num_tokens, num_seqs, entropy_coef=None):
+        model, critic = targets if isinstance(targets, tuple) else (targets, None)
         return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature,
                                entropy_coef=entropy_coef, prompt_group=group, critic=critic)
 
@@ -337,13 +350,15 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         ts = nnx.merge(graphdef, state, copy=True)
         counts_B = jnp.sum(mini["loss_mask_BxC"], axis=1)
         num_tokens, num_seqs = jnp.sum(counts_B), jnp.sum(counts_B > 0)
-        params = jax.tree.map(lambda m: nnx.state(m, nnx.Param), ts.trainable(),
+        wrt = ts.wrt()  # with LoRA the policy's adapters only
+        params = jax.tree.map(lambda m: nnx.state(m, trainable(m)), ts.trainable(),
                               is_leaf=lambda x: isinstance(x, nnx.Module))
         entropy_coef = entropy_coef_at(cfg, ts.step)
 
         def accumulate(carry, mb):
             model = nnx.merge(graphdef, state, copy=True).trainable()
-            (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            (_, metrics), grads = nnx.value_and_grad(
+                loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
                 model, mb, num_tokens, num_seqs, entropy_coef)
             return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 

@@ -1,8 +1,10 @@
 """The train state (policy + optimizer), created already sharded, and the KL reference copy.
 
 `TrainState` is an nnx Module holding the policy (`model`) and an `nnx.Optimizer` over its
-`nnx.Param`s (`optimizer`: the optax state and the update count `step`); with PPO's critic
-(`algo.advantage: gae`) also the `critic` (`jaxrl.step.value_model.Critic`) and its own
+`nnx.Param`s it trains (`optimizer`: the optax state and the update count `step`): every
+`nnx.Param`, or with LoRA only the adapters' `nnx.LoRAParam`s (`jaxrl.models.lora.trainable`),
+so the frozen base has neither gradients nor Adam moments. With PPO's critic
+(`algo.advantage: gae`) it also holds the `critic` (`jaxrl.step.value_model.Critic`) and its own
 `critic_optimizer`, so that donation and checkpoints carry it like the policy. nnx.Optimizer copies
 each parameter's metadata, logical axes included, onto its Adam moments, so one
 `state_shardings` call places every moment exactly like its parameter; the counters carry no
@@ -26,6 +28,7 @@ from jax.sharding import Mesh
 
 from jaxrl.config import OptimSection
 from jaxrl.config.critic import CriticSection
+from jaxrl.models.lora import trainable
 from jaxrl.sharding import AxisRules, create_sharded, state_shardings
 from jaxrl.step.optimizer import make_optimizer, weight_decay_mask
 from jaxrl.step.value_model import Critic
@@ -42,7 +45,7 @@ class TrainState(nnx.Module):
                  critic: Critic | None = None,
                  critic_tx: optax.GradientTransformation | None = None):
         self.model = model
-        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.optimizer = nnx.Optimizer(model, tx, wrt=trainable(model))
         self.critic = critic
         if critic is not None:
             self.critic_optimizer = nnx.Optimizer(critic, critic_tx, wrt=nnx.Param)
@@ -58,6 +61,14 @@ class TrainState(nnx.Module):
     def trainable(self) -> nnx.Module | tuple[nnx.Module, Critic]:
         """What the loss is differentiated with respect to: the policy, or (policy, critic)."""
         return self.model if self.critic is None else (self.model, self.critic)
+
+    def wrt(self) -> nnx.filterlib.Filter:
+        """Which parameters of `trainable()` get gradients: the policy's optimizer's (with
+        LoRA the adapters only) and every parameter of a critic."""
+        policy = trainable(self.model)
+        if self.critic is None or policy is nnx.Param:
+            return policy
+        return lambda path, x: isinstance(x, policy if path[0] == 0 else nnx.Param)
 
     def apply_gradients(self, grads: nnx.State | tuple[nnx.State, nnx.State],
                         critic_warmup_updates: int = 0) -> None:
@@ -123,7 +134,8 @@ def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimSe
     and its optimizer too (a separate critic's trunk: another `build_model()`).
     """
     # The decay mask needs the parameters' logical axes, which the optimizer never sees.
-    mask = weight_decay_mask(nnx.state(nnx.eval_shape(build_model), nnx.Param))
+    abstract = nnx.eval_shape(build_model)
+    mask = weight_decay_mask(nnx.state(abstract, trainable(abstract)))
     tx = make_optimizer(optim_cfg, mask)
     return create_sharded(_with_critic(build_model, tx, optim_cfg, critic), mesh, rules)
 
@@ -138,7 +150,7 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
     The model's arrays are donated to the program that builds the state: `model` must not be
     used afterwards (use the returned state's `.model`).
     """
-    mask = weight_decay_mask(nnx.state(model, nnx.Param))
+    mask = weight_decay_mask(nnx.state(model, trainable(model)))
     tx = make_optimizer(optim_cfg, mask)
     graphdef, state = nnx.split(model)
 
@@ -153,12 +165,15 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
     return nnx.merge(ts_graphdef, out)
 
 
-def reference_params(state: TrainState) -> nnx.State:
-    """A frozen copy of the policy's Params, for the KL term (needed only when beta > 0).
+def reference_params(state: TrainState) -> nnx.State | None:
+    """A frozen copy of the policy's Params, for the KL term (needed only when beta > 0);
+    None with LoRA, whose reference is the base model itself (`train_on`).
 
     The copy has its own buffers with the same shardings: a step that donates the train state
     would otherwise delete the reference with it. Run it as
     `nnx.merge(nnx.graphdef(state.model), ref)`; pass it to the step as a non-donated,
     non-differentiated argument. It costs one more copy of the parameters in memory.
     """
+    if trainable(state.model) is nnx.LoRAParam:
+        return None
     return jax.tree.map(lambda x: x.copy(), nnx.state(state.model, nnx.Param))

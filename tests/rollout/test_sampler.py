@@ -1,6 +1,7 @@
 """KV-cache sampler: greedy ≡ argmax of full forwards, sampler log-probs ≡ trainer log-probs,
 keys, GRPO groups, left padding, early stop, scanned ≡ unrolled layers."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Transformer
+from jaxrl.models.lora import LORA_MODULES, LoraConfig
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams, sample
 from tests.conftest import FAMILIES, make_tiny_config
 
@@ -265,3 +267,43 @@ def test_scanned_layers_give_the_same_rollout():
         np.testing.assert_array_equal(scanned.completion_ids_BxC, unrolled.completion_ids_BxC)
         np.testing.assert_allclose(scanned.logp_BxC, unrolled.logp_BxC, atol=1e-5)
         np.testing.assert_allclose(scanned.logp_raw_BxC, unrolled.logp_raw_BxC, atol=1e-5)
+
+
+@functools.cache
+def lora_policy(rollout_mode):
+    """(graphdef, state) of the llama `policy` with random non-zero LoRA adapters on every
+    projection, applied by the rollout as `rollout_mode`."""
+    lora = LoraConfig(4, 8.0, LORA_MODULES, rollout=rollout_mode)
+    model = nnx.merge(*policy(*LLAMA))
+    config = dataclasses.replace(model.config, lora=lora)
+    graphdef, adapters, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config,
+                                                                         rngs=nnx.Rngs(0))),
+                                      nnx.LoRAParam, ...)
+    rng = np.random.default_rng(2)
+    adapters = jax.tree.map(lambda x: jnp.asarray(0.03 * rng.standard_normal(x.shape),
+                                                  x.dtype), adapters)
+    return graphdef, nnx.merge_state(adapters, policy(*LLAMA)[1])
+
+
+@pytest.mark.parametrize("rollout_mode", ["merged", "on_the_fly"])
+def test_lora_log_probs_match_trainer_forward(rollout_mode):
+    """The rollout's base + adapters (merged per call, or applied per token) ≡ the trainer's
+    forward (adapters applied at each projection), to fp32 roundoff, and ≠ the base's.
+
+    Measured on CPU (key 0): max |diff| 4.3e-6 merged, 3.8e-6 on the fly, as without LoRA
+    (1.7e-6 to 5.5e-6). With 10x larger adapters (std 0.3, dominating the 0.1 base) both
+    grow alike (3.1e-5, 1.8e-5): larger activations amplify fp32 roundoff in either mode.
+    """
+    graphdef, state = lora_policy(rollout_mode)
+    rollout = Sampler(graphdef, T07).generate(state, prompts(), jax.random.key(0))
+    ids = jnp.concatenate([rollout.prompt_ids_BxP, rollout.completion_ids_BxC], axis=1)
+    mask = jnp.concatenate([rollout.prompt_mask_BxP, rollout.completion_mask_BxC], axis=1)
+    logits_BxTxV = jax.jit(lambda s: nnx.merge(graphdef, s)(ids, None, mask))(state)
+    width = rollout.prompt_ids_BxP.shape[1]
+    logp_BxCxV = jax.nn.log_softmax(logits_BxTxV[:, width - 1:-1] / 0.7, axis=-1)
+    logp = np.asarray(jnp.take_along_axis(logp_BxCxV, rollout.completion_ids_BxC[..., None],
+                                          axis=-1)[..., 0])
+    mask_BxC = np.asarray(rollout.completion_mask_BxC)
+    assert max_masked_diff(rollout.logp_BxC, logp, mask_BxC) <= 1e-5
+    base_logp, _ = trainer_log_probs(rollout, *LLAMA)
+    assert max_masked_diff(base_logp, logp, mask_BxC) > 1e-2  # the adapters matter

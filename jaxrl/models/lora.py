@@ -1,0 +1,216 @@
+"""LoRA adapters on the decoder's projections, one per Hugging Face module (PEFT's layout).
+
+For an HF linear module with weight W [out, in] (ours: a slice of a fused kernel [in, out]),
+
+    y = x W^T + s · (x A^T) B^T,      A [r, in], B [out, r], s = alpha / r
+
+with A drawn as PEFT draws it (kaiming-uniform: U(-1/sqrt(in), 1/sqrt(in))) and B = 0, so a new
+adapter leaves the model unchanged. We store A as [in..., r] and B as [r, out...] in the axes of
+the kernel it adapts (q's B is [r, kv_heads, G, head_dim] like the fused q/k/v kernel's q part),
+so each one carries the kernel's logical axes and is sharded like it; the rank axis is
+replicated. Adapters exist per HF module (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+down_proj) even though our q/k/v and gate/up kernels are fused: exporting them to PEFT is then
+a transpose and a reshape (`jaxrl.models.lora_peft`), never an approximation.
+
+Why our own ~200 lines on flax NNX's `nnx.LoRAParam` rather than a library's adapter modules:
+- qwix's LoRA (Tunix) intercepts the dot_general/einsum of matched modules and adds one
+  adapter per intercepted op. Ours are fused (one einsum for q, k and v; one for gate and up)
+  and run through a custom-VJP `dense`, so qwix would attach one adapter to the fused kernel:
+  a rank-r update of [E, K·(G+2)·H] is no set of three independent rank-r PEFT adapters, and
+  the export to PEFT (q_proj/k_proj/v_proj each with its own A) would be impossible.
+- `nnx.LoRA` / `nnx.LoRALinear` wrap a plain [in, out] Linear; our kernels are head-split and
+  fused, so they would need the same reshapes as here plus a module per HF projection.
+What we do take from flax is the variable type: adapter weights are `nnx.LoRAParam`, so the
+optimizer and the gradient take `nnx.LoRAParam` (`trainable`) and the frozen base stays
+`nnx.Param`. Note `nnx.LoRAParam` subclasses `nnx.Param`: a `nnx.Param` filter selects both.
+
+The rollout applies the adapters one of two ways (`LoraConfig.rollout`, benchmarks/lora.py):
+"merged" folds them into the base kernels once per step, W' = W + s · A B, and decodes on
+plain weights; "on_the_fly" adds s · (x A) B to each projection at every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.dense import dense
+
+# The HF projection modules an adapter can target, in a decoder layer's order.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = LORA_MODULES[:4]
+MLP_MODULES = LORA_MODULES[4:]
+# The HF module's parent inside a layer (`model.layers.N.<parent>.<module>`).
+HF_PARENT = {m: "self_attn" if m in ATTENTION_MODULES else "mlp" for m in LORA_MODULES}
+
+RolloutMode = Literal["merged", "on_the_fly"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """The adapters of a model: rank r, alpha (s = alpha / r), the HF modules they target,
+    how the rollout applies them, and the seed that draws A."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    rollout: RolloutMode = "merged"
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [t for t in self.targets if t not in LORA_MODULES]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets {self.targets} must be a non-empty subset of "
+                             f"{LORA_MODULES}")
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank {self.rank} must be >= 1")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def match_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """The HF modules (in `LORA_MODULES` order) that a pattern fully matches, by name
+    (`q_proj`) or with its parent (`self_attn.q_proj`); each pattern must match one."""
+    matched = set()
+    for pattern in patterns:
+        hits = {m for m in LORA_MODULES
+                if re.fullmatch(pattern, m) or re.fullmatch(pattern, f"{HF_PARENT[m]}.{m}")}
+        if not hits:
+            raise ValueError(f"LoRA target pattern {pattern!r} matches none of "
+                             f"{LORA_MODULES} (nor self_attn.* / mlp.* of them)")
+        matched |= hits
+    return tuple(m for m in LORA_MODULES if m in matched)
+
+
+def adapter_axes(module: str, config) -> tuple[tuple[tuple[int, ...], tuple], tuple[tuple[int, ...], tuple]]:
+    """((in shape, in axes), (out shape, out axes)) of `module`'s adapter in our layout."""
+    e, f, h = config.hidden_size, config.intermediate_size, config.head_dim
+    n, k = config.num_heads, config.num_kv_heads
+    hidden = ((e,), ("embed",))
+    return {
+        "q_proj": (hidden, ((k, n // k, h), ("kv_heads", None, "head_dim"))),
+        "k_proj": (hidden, ((k, h), ("kv_heads", "head_dim"))),
+        "v_proj": (hidden, ((k, h), ("kv_heads", "head_dim"))),
+        "o_proj": (((n, h), ("heads", "head_dim")), hidden),
+        "gate_proj": (hidden, ((f,), ("mlp",))),
+        "up_proj": (hidden, ((f,), ("mlp",))),
+        "down_proj": (((f,), ("mlp",)), hidden),
+    }[module]
+
+
+class Adapter(nnx.Module):
+    """One HF module's adapter: a [in..., r], b [r, out...] (module docstring)."""
+
+    def __init__(self, module: str, config, rngs: nnx.Rngs):
+        lora = config.lora
+        (in_shape, in_axes), (out_shape, out_axes) = adapter_axes(module, config)
+        self.in_ndim = len(in_shape)
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        a = jax.random.uniform(rngs.lora(), (*in_shape, lora.rank), config.param_dtype,
+                               -bound, bound)
+        self.a = nnx.LoRAParam(a, out_sharding=(*in_axes, None), eager_sharding=False)
+        self.b = nnx.LoRAParam(jnp.zeros((lora.rank, *out_shape), config.param_dtype),
+                               out_sharding=(None, *out_axes), eager_sharding=False)
+
+    def delta(self, x_BxTxI: jax.Array, scale: float, dtype) -> jax.Array:
+        """s · (x A) B for x [B, T, in] (in flattened): [B, T, out] (out flattened)."""
+        a_IxR = self.a[...].astype(dtype).reshape(-1, self.a.shape[-1])
+        b_RxO = self.b[...].astype(dtype).reshape(self.a.shape[-1], -1)
+        xa_BxTxR = dense(x_BxTxI, a_IxR, "bti,ir->btr") * jnp.asarray(scale, dtype)
+        return dense(xa_BxTxR, b_RxO, "btr,ro->bto")
+
+    def product(self, scale: float) -> jax.Array:
+        """s · A B as [lead..., in..., out...] (lead: the stacked-layers axis, if any)."""
+        a, b = self.a[...], self.b[...]
+        r = a.shape[-1]
+        lead = a.shape[:a.ndim - 1 - self.in_ndim]
+        in_shape, out_shape = a.shape[len(lead):-1], b.shape[len(lead) + 1:]
+        ab_LxIxO = jnp.einsum("...ir,...ro->...io", a.reshape(*lead, -1, r),
+                              b.reshape(*lead, r, -1))
+        return scale * ab_LxIxO.reshape(*lead, *in_shape, *out_shape)
+
+
+class Adapters(nnx.Module):
+    """The adapters of one attention or MLP module, as attributes named by HF module."""
+
+    def __init__(self, modules: tuple[str, ...], config, rngs: nnx.Rngs):
+        self.scale = config.lora.scale
+        for module in modules:
+            setattr(self, module, Adapter(module, config, rngs))
+
+    def delta(self, module: str, x_BxTxI: jax.Array, dtype) -> jax.Array | None:
+        """s · (x A) B of `module`'s adapter, None when it has none."""
+        adapter = getattr(self, module, None)
+        return None if adapter is None else adapter.delta(x_BxTxI, self.scale, dtype)
+
+
+def make_adapters(group: tuple[str, ...], config, rngs: nnx.Rngs) -> Adapters | None:
+    """The adapters of `config.lora` among `group` (attention or MLP modules), or None."""
+    if config.lora is None:
+        return None
+    modules = tuple(m for m in group if m in config.lora.targets)
+    return Adapters(modules, config, rngs) if modules else None
+
+
+def trainable(model: nnx.Module) -> type[nnx.Variable]:
+    """What the optimizer trains in `model`: the adapters with LoRA, else every parameter
+    (also of a module without a `config`)."""
+    lora = getattr(getattr(model, "config", None), "lora", None)
+    return nnx.LoRAParam if lora is not None else nnx.Param
+
+
+@functools.lru_cache(maxsize=16)
+def base_graphdef(config) -> nnx.GraphDef:
+    """The graph of the model of `config` without adapters (what merged weights run on)."""
+    from jaxrl.models.transformer import Transformer
+
+    base = dataclasses.replace(config, lora=None)
+    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(base, rngs=nnx.Rngs(0))))
+
+
+def merged_params(model: nnx.Module) -> nnx.State:
+    """The base parameters of `model` with its adapters folded in, W' = W + s · A B (fused
+    kernels take each part's product in its slice): the state of `base_graphdef`."""
+    scan = model.config.scan_layers
+    for block in [model.layers] if scan else list(model.layers):
+        attn, mlp = block.attn, block.mlp
+        if attn.lora is not None:
+            ad, g = attn.lora, model.config.num_heads // model.config.num_kv_heads
+            qkv = attn.qkv_kernel[...]
+            for module, part in (("q_proj", slice(0, g)), ("k_proj", g), ("v_proj", g + 1)):
+                if hasattr(ad, module):
+                    delta = getattr(ad, module).product(ad.scale).astype(qkv.dtype)
+                    qkv = qkv.at[..., part, :].add(delta)
+            attn.qkv_kernel[...] = qkv
+            if hasattr(ad, "o_proj"):
+                attn.o_kernel[...] += ad.o_proj.product(ad.scale).astype(attn.o_kernel.dtype)
+        if mlp.lora is not None:
+            ad = mlp.lora
+            gate_up = mlp.gate_up[...]
+            for module, part in (("gate_proj", 0), ("up_proj", 1)):
+                if hasattr(ad, module):
+                    delta = getattr(ad, module).product(ad.scale).astype(gate_up.dtype)
+                    gate_up = gate_up.at[..., part, :].add(delta)
+            mlp.gate_up[...] = gate_up
+            if hasattr(ad, "down_proj"):
+                mlp.down[...] += ad.down_proj.product(ad.scale).astype(mlp.down.dtype)
+    return nnx.state(model, nnx.Not(nnx.LoRAParam))
+
+
+def rollout_view(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) the rollout decodes with: unchanged without LoRA or with
+    `rollout: on_the_fly`; with `merged`, the base graph and `merged_params`."""
+    model = nnx.merge(graphdef, params, copy=True)
+    lora = model.config.lora
+    if lora is None or lora.rollout == "on_the_fly":
+        return graphdef, params
+    return base_graphdef(model.config), merged_params(model)
