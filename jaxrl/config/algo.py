@@ -74,7 +74,7 @@ class AlgoSection:
     logprob_chunk_size: int | str | None = "auto"
     overlong_buffer: int | None = None  # DAPO soft overlong punishment zone (tokens); None: off
     # The trainer's forward runs each prompt once for the rows of its group that share a
-    # microbatch instead of once per row (`jaxrl.step.phases.prompt_group`: same numbers).
+    # microbatch instead of once per row (`jaxrl.step.forward.prompt_group`: same numbers).
     share_prompts: bool = True
     # Weight of the mixture-of-experts load-balancing loss (`jaxrl.models.moe`) added to the
     # policy loss, metric loss/router_aux; 0 (the default) skips it. transformers' default

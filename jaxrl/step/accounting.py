@@ -54,7 +54,8 @@ from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
 from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
 from jaxrl.step.critic import completion_values
-from jaxrl.step.phases import completion_log_probs, microbatch_loss, prompt_group
+from jaxrl.step.forward import completion_log_probs, prompt_group
+from jaxrl.step.phases import microbatch_loss
 from jaxrl.step.state import TrainState
 from jaxrl.step.value_model import Critic
 

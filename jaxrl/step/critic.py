@@ -30,7 +30,8 @@ from flax import nnx
 from jaxrl.config import AlgoSection
 from jaxrl.rl.gae import explained_variance, gae_advantages, whiten
 from jaxrl.sharding.rules import active_rules
-from jaxrl.step.phases import Batch, _split, _unsplit, completion_hidden, prompt_group
+from jaxrl.step.forward import Batch, completion_hidden, prompt_group
+from jaxrl.step.phases import _split, _unsplit
 from jaxrl.step.state import TrainState
 from jaxrl.step.value_model import Critic
 

@@ -3,7 +3,7 @@
     value_BxC = hidden_BxCxE · w_E + b                     (float32)
 
 `hidden_BxCxE` are the final-norm hidden states at the positions that predict the completion
-tokens (`jaxrl.step.phases.completion_hidden`), so value t is the critic's estimate for the
+tokens (`jaxrl.step.forward.completion_hidden`), so value t is the critic's estimate for the
 state *before* completion token t is sampled (the prefix), as GAE (`jaxrl.rl.gae`) needs.
 
 `Critic.trunk` is None for `algo.critic.kind: value_head` (the head reads the policy's own

@@ -19,7 +19,8 @@ from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state, reference_params
 from jaxrl.step.builder import build_step
-from jaxrl.step.phases import advantages, completion_metrics, prompt_group, shape_rewards
+from jaxrl.step.forward import prompt_group
+from jaxrl.step.phases import advantages, completion_metrics, shape_rewards
 from jaxrl.step.state import SkipCount
 from tests.conftest import make_tiny_config
 
@@ -235,7 +236,8 @@ def test_overlong_shaping_by_hand():
 def test_a_single_update_step_takes_its_old_log_probs_from_its_own_forward():
     # One update per step: old_logp = stop_gradient(new logp) of the loss's own forward gives
     # the same update as a separate forward pass of the (same) old policy.
-    from jaxrl.step.phases import completion_log_probs, train_on
+    from jaxrl.step.forward import completion_log_probs
+    from jaxrl.step.phases import train_on
 
     cfg = AlgoSection(microbatch_size=4, loss=PolicyLossConfig(beta=0.0))
     assert cfg.single_update and not dataclasses.replace(cfg, num_minibatches=2).single_update

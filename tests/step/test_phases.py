@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from jaxrl.config import AlgoSection
-from jaxrl.step.phases import prompt_group
+from jaxrl.step.forward import prompt_group
 from tests.conftest import make_tiny_config
 
 XLA = make_tiny_config("llama")  # attention_impl "xla"
