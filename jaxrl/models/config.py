@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
-from jaxrl.models.lora import LoraConfig
+from jaxrl.models.lora import ATTENTION_MODULES, LoraConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -130,6 +130,11 @@ class ModelConfig:
         if moe and self.moe_intermediate_size <= 0:
             raise ValueError(f"moe_intermediate_size must be positive, got "
                              f"{self.moe_intermediate_size}")
+        mlp_targets = [] if self.lora is None else sorted(set(self.lora.targets) - set(ATTENTION_MODULES))
+        if moe and mlp_targets:  # the experts have no adapters: they would be silently skipped
+            raise UnsupportedModelError(
+                f"LoRA targets {mlp_targets} on {self.model_type}, whose MLPs are experts: "
+                f"adapters on experts are not supported; target {list(ATTENTION_MODULES)} only")
         if self.remat not in get_args(Remat):
             raise ValueError(f"remat {self.remat!r} is not supported; expected one of "
                              f"{', '.join(map(repr, get_args(Remat)))}")

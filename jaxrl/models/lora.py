@@ -193,7 +193,7 @@ def merged_params(model: nnx.Module) -> nnx.State:
             attn.qkv_kernel[...] = qkv
             if hasattr(ad, "o_proj"):
                 attn.o_kernel[...] += ad.o_proj.product(ad.scale).astype(attn.o_kernel.dtype)
-        if mlp.lora is not None:
+        if getattr(mlp, "lora", None) is not None:  # (a mixture of experts' MLP has none)
             ad = mlp.lora
             gate_up = mlp.gate_up[...]
             for module, part in (("gate_proj", 0), ("up_proj", 1)):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxrl.config import ExperimentConfig, load_config
 from jaxrl.models import Transformer, from_pretrained, save_pretrained
+from jaxrl.models.config import UnsupportedModelError
 from jaxrl.models.lora import LORA_MODULES, LoraConfig, match_targets, rollout_view, trainable
 from jaxrl.models.lora_peft import save_peft_adapter
 
@@ -51,6 +52,7 @@ def test_new_adapters_leave_the_model_and_its_random_init_unchanged(tiny_config,
 @pytest.mark.parametrize("family, scan, targets", [
     ("qwen2", False, LORA_MODULES), ("llama", True, LORA_MODULES),
     ("qwen3", False, ("k_proj", "o_proj", "up_proj")), ("llama", False, ("q_proj", "down_proj")),
+    ("qwen3_moe", True, ("q_proj", "k_proj", "v_proj", "o_proj")),
 ])
 def test_adapted_forward_is_the_merged_weights_forward(tiny_config, family, scan, targets):
     """x W + s (x A) B at every projection ≡ x (W + s A B): on the fly vs merged."""
@@ -70,6 +72,13 @@ def test_adapted_forward_is_the_merged_weights_forward(tiny_config, family, scan
     otf_graphdef, otf = rollout_view(nnx.graphdef(Transformer(on_the_fly, rngs=nnx.Rngs(0))),
                                      params)
     np.testing.assert_array_equal(nnx.merge(otf_graphdef, otf)(ids), want)
+
+
+def test_adapters_on_experts_are_refused_by_name(tiny_config):
+    """A mixture of experts' MLPs are experts without adapters: targeting them is an error,
+    not adapters silently left out."""
+    with pytest.raises(UnsupportedModelError, match=r"\['down_proj', 'gate_proj'\] on qwen3_moe"):
+        _with_lora(tiny_config("qwen3_moe"), ("q_proj", "gate_proj", "down_proj"))
 
 
 def test_only_adapters_get_gradients(tiny_config):
