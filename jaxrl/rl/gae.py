@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rl.losses import Aggregation
+from jaxrl.rl.losses import Aggregation, aggregate_tokens, token_counts
 
 
 def gae_advantages(rewards_B: jax.Array, values_BxC: jax.Array, mask_BxC: jax.Array,
@@ -104,14 +104,7 @@ def value_loss(values_BxC: jax.Array, old_values_BxC: jax.Array, returns_BxC: ja
 
     Metrics: `value/loss` (the loss), `value/clip_frac` (valid tokens whose clipped branch is
     the larger, so carries the gradient: 0 without clipping)."""
-    valid_BxT = mask_BxC.astype(bool)
-    count_B = jnp.sum(valid_BxT, axis=1).astype(jnp.float32)
-    if num_tokens is None:
-        num_tokens = jnp.sum(count_B)
-    num_tokens = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
-    if num_seqs is None:
-        num_seqs = jnp.sum(count_B > 0)
-    num_seqs = jnp.maximum(jnp.asarray(num_seqs, jnp.float32), 1.0)
+    valid_BxT, count_B, num_tokens, num_seqs = token_counts(mask_BxC, num_tokens, num_seqs)
 
     def masked(x):
         return jnp.where(valid_BxT, x.astype(jnp.float32), 0.0)
@@ -124,14 +117,10 @@ def value_loss(values_BxC: jax.Array, old_values_BxC: jax.Array, returns_BxC: ja
         clipped = jnp.square(old + jnp.clip(values - old, -clip, clip) - target)
         per_token, clipped_larger = jnp.maximum(unclipped, clipped), clipped > unclipped
     per_token = masked(0.5 * per_token)
-    if aggregation == "token_mean":
-        loss = jnp.sum(per_token) / num_tokens
-    else:
-        denominator = (jnp.maximum(count_B, 1.0) if aggregation == "seq_mean_token_mean"
-                       else max_completion_len)
-        if denominator is None:
-            raise ValueError("aggregation='seq_mean_token_sum_norm' divides by a constant: "
-                             "pass max_completion_len")
-        loss = jnp.sum(jnp.sum(per_token, axis=1) / denominator) / num_seqs
+    if aggregation == "seq_mean_token_sum_norm" and max_completion_len is None:
+        raise ValueError("aggregation='seq_mean_token_sum_norm' divides by a constant: "
+                         "pass max_completion_len")
+    loss = aggregate_tokens(per_token, aggregation, count_B, num_tokens, num_seqs,
+                            max_completion_len)
     return loss, {"value/loss": loss,
                   "value/clip_frac": jnp.sum(masked(clipped_larger)) / num_tokens}

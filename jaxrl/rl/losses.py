@@ -140,6 +140,37 @@ def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array,
                      f"got {estimator!r}")
 
 
+def token_counts(mask_BxT: jax.Array, num_tokens: jax.Array | None = None,
+                 num_seqs: jax.Array | None = None,
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(valid_BxT, count_B, num_tokens, num_seqs) of a loss mask; the counts default to the
+    mask's own (a microbatch passes its minibatch's) and are at least 1."""
+    valid_BxT = mask_BxT.astype(bool)
+    count_B = jnp.sum(valid_BxT, axis=1).astype(jnp.float32)
+    if num_tokens is None:
+        num_tokens = jnp.sum(count_B)
+    num_tokens = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
+    if num_seqs is None:
+        num_seqs = jnp.sum(count_B > 0)
+    num_seqs = jnp.maximum(jnp.asarray(num_seqs, jnp.float32), 1.0)
+    return valid_BxT, count_B, num_tokens, num_seqs
+
+
+def aggregate_tokens(x_BxT: jax.Array, aggregation: Aggregation, count_B: jax.Array,
+                     num_tokens: jax.Array, num_seqs: jax.Array,
+                     max_completion_len: int | None) -> jax.Array:
+    """A masked per-token term x_BxT reduced as `aggregation` says: Σ x / num_tokens
+    (token_mean), or Σ_b (Σ_t x_bt / n_b) / num_seqs with n_b the row's tokens
+    (seq_mean_token_mean) or the constant max_completion_len (seq_mean_token_sum_norm)."""
+    if aggregation == "token_mean":
+        return jnp.sum(x_BxT) / num_tokens
+    if aggregation == "seq_mean_token_mean":
+        per_seq_B = jnp.sum(x_BxT, axis=1) / jnp.maximum(count_B, 1.0)
+    else:
+        per_seq_B = jnp.sum(x_BxT, axis=1) / max_completion_len
+    return jnp.sum(per_seq_B) / num_seqs
+
+
 def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
                 mask_BxT: jax.Array, cfg: PolicyLossConfig, *,
                 ref_logp_BxT: jax.Array | None = None,
@@ -180,14 +211,7 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
         raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 adds an entropy bonus: "
                          f"pass entropy_BxT")
 
-    valid_BxT = mask_BxT.astype(bool)
-    count_B = jnp.sum(valid_BxT, axis=1).astype(jnp.float32)
-    if num_tokens is None:
-        num_tokens = jnp.sum(count_B)
-    num_tokens = jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
-    if num_seqs is None:
-        num_seqs = jnp.sum(count_B > 0)
-    num_seqs = jnp.maximum(jnp.asarray(num_seqs, jnp.float32), 1.0)
+    valid_BxT, count_B, num_tokens, num_seqs = token_counts(mask_BxT, num_tokens, num_seqs)
 
     def masked(x_BxT):
         # Masking the *inputs* too keeps exp/expm1 of padding finite: a `where` after an
@@ -195,14 +219,8 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
         return jnp.where(valid_BxT, x_BxT.astype(jnp.float32), 0.0)
 
     def aggregate(x_BxT):
-        x_BxT = masked(x_BxT)
-        if cfg.aggregation == "token_mean":
-            return jnp.sum(x_BxT) / num_tokens
-        if cfg.aggregation == "seq_mean_token_mean":
-            per_seq_B = jnp.sum(x_BxT, axis=1) / jnp.maximum(count_B, 1.0)
-        else:
-            per_seq_B = jnp.sum(x_BxT, axis=1) / max_completion_len
-        return jnp.sum(per_seq_B) / num_seqs
+        return aggregate_tokens(masked(x_BxT), cfg.aggregation, count_B, num_tokens, num_seqs,
+                                max_completion_len)
 
     metrics = {}
     if sampler_logp_BxT is not None:
