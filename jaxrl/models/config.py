@@ -12,11 +12,9 @@ kernel, activation rematerialisation) live here too so one object builds a model
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal, get_args
 
 import jax
-import jax.numpy as jnp
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
 from jaxrl.models.lora import ATTENTION_MODULES, LoraConfig
@@ -381,26 +379,3 @@ def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> jnp.ndarray:
-    """inv_freq_i = theta^(-2i/d), with Llama 3 scaling applied when configured.
-
-    Llama 3 scaling keeps high frequencies (wavelength < L/high_freq_factor), divides low
-    frequencies (wavelength > L/low_freq_factor) by `factor`, and interpolates smoothly
-    in between, where L is the original context length.
-    """
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return jnp.where(medium, interpolated, scaled)

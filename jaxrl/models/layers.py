@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,6 +55,29 @@ def apply_rope(x_BxTx_xH: jax.Array, positions_BxT: jax.Array,
     x1, x2 = jnp.split(x_BxTx_xH.astype(jnp.float32), 2, axis=-1)
     y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return y.astype(x_BxTx_xH.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> jnp.ndarray:
+    """inv_freq_i = theta^(-2i/d), with Llama 3 scaling applied when configured.
+
+    Llama 3 scaling keeps high frequencies (wavelength < L/high_freq_factor), divides low
+    frequencies (wavelength > L/low_freq_factor) by `factor`, and interpolates smoothly
+    in between, where L is the original context length.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, interpolated, scaled)
 
 
 class MLP(nnx.Module):

@@ -29,9 +29,9 @@ from flax import nnx
 
 from jaxrl.models.attention import Attention, PagedKV, cache_causal_mask, causal_mask
 from jaxrl.models.attention_kernels import PaddedRows
-from jaxrl.models.config import ModelConfig, Remat, rope_inverse_frequencies
+from jaxrl.models.config import ModelConfig, Remat
 from jaxrl.models.dense import DENSE
-from jaxrl.models.layers import MLP, RMSNorm, normal, param
+from jaxrl.models.layers import MLP, RMSNorm, normal, param, rope_inverse_frequencies
 from jaxrl.models.moe import MoE
 from jaxrl.sharding import constrain
 

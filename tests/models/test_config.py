@@ -4,7 +4,8 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import ModelConfig, RopeScaling, Transformer, UnsupportedModelError
-from jaxrl.models.config import rope_inverse_frequencies, tiny_config
+from jaxrl.models.config import tiny_config
+from jaxrl.models.layers import rope_inverse_frequencies
 
 BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
