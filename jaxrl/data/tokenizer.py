@@ -109,9 +109,11 @@ def make_char_tokenizer(alphabet: str, *, extra_tokens: Sequence[str] = ()) -> P
     """A character-level tokenizer with <pad>=0, <bos>=1, <eos>=2, for tiny demo/test models.
 
     Every character of `alphabet` is one token; ids follow the specials and `extra_tokens`.
+    Each extra token (a tool-call tag like "<call>") is matched whole in text, before the
+    split into characters, and kept by decoding (it is not a special token).
     Saved with `save_pretrained`, it loads back through `load_tokenizer` like any HF one.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     specials = ["<pad>", "<bos>", "<eos>", "<unk>", *extra_tokens]
     vocab = {tok: i for i, tok in enumerate(specials)}
@@ -120,5 +122,6 @@ def make_char_tokenizer(alphabet: str, *, extra_tokens: Sequence[str] = ()) -> P
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
+    core.add_tokens([AddedToken(t, normalized=False, special=False) for t in extra_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", unk_token="<unk>")

@@ -90,3 +90,17 @@ def test_a_generic_tokenizer_in_a_model_directory_loads_as_saved(tmp_path, model
     text = "what is 12 + 30 ?"
     assert loaded.encode(text) == original.encode(text)
     assert len(loaded.encode(text)) == len(text) and loaded.decode(loaded.encode(text)) == text
+
+
+def test_extra_tokens_are_matched_whole_and_kept_by_decoding(tmp_path):
+    tok = make_char_tokenizer("0123456789*", extra_tokens=("<call>", "</call>"))
+    text = "12*3<call>12*3</call>36"
+    ids = tok.encode(text, add_special_tokens=False)
+    call, end = tok.convert_tokens_to_ids(["<call>", "</call>"])
+    assert ids == [*tok.encode("12*3", add_special_tokens=False), call,
+                   *tok.encode("12*3", add_special_tokens=False), end,
+                   *tok.encode("36", add_special_tokens=False)]
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    tok.save_pretrained(tmp_path)
+    assert load_tokenizer(tmp_path).encode(text, add_special_tokens=False) == ids
