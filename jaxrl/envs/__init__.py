@@ -21,13 +21,19 @@ from jaxrl.envs.tool_calls import (
     format_for,
     make_format,
 )
-from jaxrl.envs.tool_env import ToolEnv, ToolName, ToolsConfig, make_tool_env_factory
+from jaxrl.envs.tool_env import (
+    ToolEnv,
+    ToolName,
+    ToolsConfig,
+    ToolsFormat,
+    make_tool_env_factory,
+)
 from jaxrl.envs.tools import Tool, ToolResult, tool_schema
 
 __all__ = [
     "Calculator", "EnvBuilder", "EnvFactory", "Environment", "FormatName", "HermesFormat",
     "Llama3Format", "Observation", "PythonTool", "TagsFormat", "Tool", "ToolCall",
     "ToolCallError", "ToolCallFormat", "ToolEnv", "ToolName", "ToolResult", "ToolStats",
-    "ToolsConfig", "format_for", "make_env_factory", "make_format", "make_tool_env_factory",
+    "ToolsConfig", "ToolsFormat", "format_for", "make_env_factory", "make_format", "make_tool_env_factory",
     "register_env", "registered_envs", "resolve_env", "tool_schema",
 ]

@@ -39,9 +39,11 @@ Every failure is an error result with a short message, never an exception or a s
     exception, MemoryError, non-zero exit      the traceback / output
     killed by a signal (os.abort, segfault)    "error: the process was killed by SIGABRT"
 
-Overhead: one call of `print(1+1)` takes about 25 ms (interpreter start-up with site, on an
-idle core of a 2-core x86 VM; tests/envs/test_python_tool.py measures it), so the tool suits
-tens of calls per second per core, not thousands.
+Overhead: one call of `print(1+1)` took 36 ms at best and 50-90 ms typically (median of 30)
+on the shared 2-core VM it was measured on, almost all of it interpreter start-up with
+site-packages (`python -I -c pass` alone: 26 ms there); tests/envs/test_python_tool.py prints
+it. The tool suits tens of calls per second per core, not thousands. Calls from several
+threads run concurrently (one child each).
 """
 
 from __future__ import annotations

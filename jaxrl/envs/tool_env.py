@@ -29,7 +29,6 @@ from jaxrl.envs.base import EnvFactory, Observation, ToolStats
 from jaxrl.envs.calculator import Calculator
 from jaxrl.envs.python_tool import PythonTool
 from jaxrl.envs.tool_calls import (
-    FormatName,
     TagsFormat,
     ToolCall,
     ToolCallError,
@@ -40,6 +39,7 @@ from jaxrl.envs.tool_calls import (
 from jaxrl.envs.tools import Tool, ToolResult
 
 ToolName = Literal["calculator", "python"]
+ToolsFormat = Literal["auto", "hermes", "llama3", "tags"]  # auto: tool_calls.format_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class ToolsConfig:
     """Which tools, in which call format, with which limits (the python tool's are per call)."""
 
     tools: tuple[ToolName, ...] = ("calculator",)
-    format: Literal["auto"] | FormatName = "auto"
+    format: ToolsFormat = "auto"
     max_calls_per_turn: int = 4
     python_timeout_s: float = 5.0
     python_memory_mb: int = 1024
@@ -64,9 +64,9 @@ class ToolsConfig:
                                  f"{list(known)}")
         if len(set(self.tools)) != len(self.tools):
             raise ValueError(f"ToolsConfig.tools lists a tool twice: {list(self.tools)}")
-        formats = ("auto", *typing.get_args(FormatName))
-        if self.format not in formats:
-            raise ValueError(f"ToolsConfig.format={self.format!r}; expected one of {formats}")
+        if self.format not in typing.get_args(ToolsFormat):
+            raise ValueError(f"ToolsConfig.format={self.format!r}; expected one of "
+                             f"{typing.get_args(ToolsFormat)}")
         for field in ("max_calls_per_turn", "python_timeout_s", "python_memory_mb",
                       "python_max_output_bytes"):
             if not getattr(self, field) > 0:

@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,6 +33,14 @@ def test_normal_output_and_latency():
     latencies = [run("print(1 + 1)")[0].latency_s for _ in range(5)]
     print(f"python tool print(1+1): median {statistics.median(latencies) * 1e3:.0f} ms")
     assert statistics.median(latencies) < 1.0
+
+
+def test_concurrent_calls_from_threads():
+    codes = [f"print({i} * {i})" for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda code: TOOL({"code": code}), codes))
+    assert [r.text for r in results] == ["0\n", "1\n", "4\n", "9\n"]
+    assert not any(r.error for r in results)
 
 
 def test_scratch_directory_is_the_cwd_writable_and_removed():

@@ -105,6 +105,22 @@ def test_factory_from_config_with_python_and_auto_format():
                       Llama3Format)
 
 
+def test_config_loads_from_yaml_and_overrides(tmp_path):
+    from jaxrl.config.load import ConfigError, load_config
+
+    @dataclasses.dataclass(frozen=True)
+    class Schema:
+        tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
+
+    path = tmp_path / "c.yaml"
+    path.write_text("tools:\n  tools: [calculator, python]\n  format: hermes\n")
+    config = load_config(Schema, path, ["tools.python_timeout_s=3"]).tools
+    assert config == ToolsConfig(tools=("calculator", "python"), format="hermes",
+                                 python_timeout_s=3.0)
+    with pytest.raises(ConfigError, match="tools.format"):
+        load_config(Schema, path, ["tools.format=json"])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"tools": ()}, "tools is empty"),
     ({"tools": ("shell",)}, "unknown tool 'shell'"),
