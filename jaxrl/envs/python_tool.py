@@ -204,21 +204,26 @@ class PythonTool:
             proc.stdout.close()
         text = output.decode("utf-8", errors="replace")
         if stopped == "timeout":
-            return ToolResult(f"{text}error: timed out after {self.timeout_s:g} s", error=True,
-                              timed_out=True)
+            return ToolResult(_then(text, f"error: timed out after {self.timeout_s:g} s"),
+                              error=True, timed_out=True)
         if stopped == "output":
             return ToolResult(f"{text}\n[output truncated at {self.max_output_bytes} bytes; the "
                               f"process was stopped]", error=True)
         if proc.returncode < 0:
             sig = signal.Signals(-proc.returncode)
             if sig == signal.SIGXCPU:
-                return ToolResult(f"{text}error: CPU time limit exceeded", error=True,
+                return ToolResult(_then(text, "error: CPU time limit exceeded"), error=True,
                                   timed_out=True)
-            return ToolResult(f"{text}error: the process was killed by {sig.name}", error=True)
+            return ToolResult(_then(text, f"error: the process was killed by {sig.name}"),
+                              error=True)
         if proc.returncode > 0:
-            newline = "\n" if text and not text.endswith("\n") else ""
-            return ToolResult(f"{text}{newline}error: exit status {proc.returncode}", error=True)
+            return ToolResult(_then(text, f"error: exit status {proc.returncode}"), error=True)
         return ToolResult(text)
+
+
+def _then(output: str, message: str) -> str:
+    """The output, then the message on a line of its own."""
+    return f"{output}\n{message}" if output and not output.endswith("\n") else output + message
 
 
 def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, str | None]:

@@ -12,9 +12,10 @@ tools' results as the observation text appended after the turn:
         observation closes the assistant turn with `<|im_end|>` itself)
     llama3  (Llama 3.1 / 3.2 JSON tool calling)
         turn:   [<|python_tag|>]{"name": "calculator", "parameters": {"expression": "2+2"}}<|eom_id|>
+                <|python_tag|>print(2+2)<|eom_id|>     (3.1's code interpreter: a python call)
         obs:    <|start_header_id|>ipython<|end_header_id|>\\n\\n4<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n
-        (one ipython message per result; a turn ending on `<|eot_id|>` is a call only when its
-        text, after any `<|python_tag|>`, starts with `{`: otherwise it is the final answer.
+        (one ipython message per result; a turn is a call only when its text, after any
+        `<|python_tag|>`, starts with `{`, or when it has that tag: otherwise it is the answer.
         The result text is written as is, as in Meta's prompt-format guide; HF's template
         JSON-quotes string contents.)
     tags    (plain text, for models without a tool template, e.g. tiny char-level ones)
@@ -135,10 +136,12 @@ class HermesFormat:
 @dataclasses.dataclass(frozen=True)
 class Llama3Format:
     """Llama 3.1 / 3.2 JSON calls (the whole turn, optionally after `<|python_tag|>`), results
-    as `ipython` messages."""
+    as `ipython` messages. Code after `<|python_tag|>` (Llama 3.1's built-in code interpreter)
+    is a call of the tool `code_tool`."""
 
     end_tags: tuple[str, ...] = ("<|eom_id|>", "<|eot_id|>")
     python_tag: str = "<|python_tag|>"
+    code_tool: str = "python"  # runs the code after python_tag that is not a JSON call
 
     def parse(self, turn: str) -> list[ParsedCall]:
         body = turn.rstrip()
@@ -146,10 +149,14 @@ class Llama3Format:
             if body.endswith(tag):
                 body = body[:-len(tag)]
                 break
-        if self.python_tag in body:
+        tagged = self.python_tag in body
+        if tagged:
             body = body.rsplit(self.python_tag, 1)[1]
         body = body.strip()
-        return [_json_call(body, "parameters")] if body.startswith("{") else []
+        if body.startswith("{"):
+            return [_json_call(body, "parameters")]
+        # Llama 3.1's built-in code interpreter: <|python_tag|>CODE<|eom_id|>.
+        return [ToolCall(self.code_tool, {"code": body})] if tagged and body else []
 
     def render_results(self, results: Sequence[ToolResult]) -> str:
         messages = "".join(f"<|start_header_id|>ipython<|end_header_id|>\n\n{r.text}<|eot_id|>"

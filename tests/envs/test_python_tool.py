@@ -69,7 +69,7 @@ def test_hang_times_out_within_the_limit(code):
     assert result.text.endswith(f"error: timed out after {LIMIT_S:g} s")
     assert LIMIT_S <= elapsed < LIMIT_S + 3.0
     if "started" in code:  # printed before the hang: unbuffered, so it comes back
-        assert result.text.startswith("started\n")
+        assert result.text == f"started\nerror: timed out after {LIMIT_S:g} s"
 
 
 @pytest.mark.parametrize("code, signal_name", [("import os; os.abort()", "SIGABRT"),
@@ -144,6 +144,11 @@ def test_processes_are_refused(code, event):
     assert result.error
     assert f"PermissionError: sandbox: starting or signalling processes ({event}" in result.text
     assert elapsed < FAST_S
+
+
+def test_output_without_a_final_newline_before_the_error():
+    result, _ = run("import time\nprint('partial', end='')\ntime.sleep(60)")
+    assert result.timed_out and result.text == f"partial\nerror: timed out after {LIMIT_S:g} s"
 
 
 def test_nonzero_exit_and_exceptions():

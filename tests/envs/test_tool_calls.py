@@ -63,6 +63,8 @@ def test_llama3_parses_json_calls_and_leaves_answers_alone():
     assert fmt.parse('<|python_tag|>{"name": "calculator", "parameters": '
                      '{"expression": "2+2"}}<|eot_id|>') == [call]
     assert fmt.parse("The answer is 4.<|eot_id|>") == []
+    assert fmt.parse("<|python_tag|>print(2 + 2)\n<|eom_id|>") == \
+        [ToolCall("python", {"code": "print(2 + 2)"})]
     (bad,) = fmt.parse('{"name": "calculator", "parameters": {"expression"<|eom_id|>')
     assert isinstance(bad, ToolCallError) and "not valid JSON" in bad.message
     assert fmt.end_tags == ("<|eom_id|>", "<|eot_id|>")

@@ -10,7 +10,7 @@ from jaxrl.envs.calculator import Calculator
 from jaxrl.envs.python_tool import PythonTool
 from jaxrl.envs.tool_calls import HermesFormat, Llama3Format, TagsFormat
 from jaxrl.envs.tool_env import ToolEnv, ToolsConfig, make_tool_env_factory
-from jaxrl.envs.tools import ToolResult, string_argument
+from jaxrl.envs.tools import ToolResult, string_argument, tool_schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,3 +132,12 @@ def test_config_loads_from_yaml_and_overrides(tmp_path):
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ToolsConfig(**kwargs)
+
+
+def test_tool_schema_for_chat_templates():
+    assert tool_schema(Calculator()) == {
+        "type": "function",
+        "function": {"name": "calculator", "description": Calculator().description,
+                     "parameters": {"type": "object",
+                                    "properties": {"expression": {"type": "string"}},
+                                    "required": ["expression"]}}}
