@@ -92,8 +92,12 @@ class ToolEnv:
     max_calls_per_turn: int = 4
 
     def __post_init__(self):
+        object.__setattr__(self, "tools", tuple(self.tools))
         if not self.tools:
             raise ValueError("ToolEnv needs at least one tool")
+        names = [tool.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ToolEnv: two tools have the same name: {names}")
         if self.max_calls_per_turn < 1:
             raise ValueError(f"max_calls_per_turn must be >= 1, got {self.max_calls_per_turn}")
 

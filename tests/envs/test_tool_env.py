@@ -74,6 +74,15 @@ def test_a_raising_tool_is_an_error_result():
     assert obs.tools.errors == 1
 
 
+def test_tool_env_errors():
+    with pytest.raises(ValueError, match="at least one tool"):
+        ToolEnv([], TagsFormat())
+    with pytest.raises(ValueError, match=r"same name: \['echo', 'echo'\]"):
+        ToolEnv([Echo(), Echo()], TagsFormat())
+    with pytest.raises(ValueError, match="max_calls_per_turn must be >= 1"):
+        ToolEnv([Echo()], TagsFormat(), max_calls_per_turn=0)
+
+
 def test_tags_unnamed_call_needs_a_single_tool():
     assert ToolEnv([Calculator()], TagsFormat()).step("<call>2+3</call>").text == \
         "<result>5</result>"
