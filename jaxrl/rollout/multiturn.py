@@ -204,6 +204,9 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
     if b % g or len(envs) != b:
         raise ValueError(f"{b} rows must be prompts x {g} generations, with one environment "
                          f"each (got {len(envs)})")
+    if not mask_BxP.any(axis=1).all():
+        raise ValueError(f"rows {np.flatnonzero(~mask_BxP.any(axis=1)).tolist()} have an "
+                         f"empty prompt")
     c, w = config.max_total_tokens, config.chunk_width
     layout = ServeLayout(config.num_slots, p, c, config.page_size)
     limits = config.limits
@@ -250,11 +253,33 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
             state = _extend(graphdef, weights, state, np.int32(slot), ids_W,
                             np.int32(len(piece)), layout, sampling)
 
+    def take_tokens(out: turns.TurnTokens, pool):
+        """A step's tokens into their rows; a turn that ended goes to its environment."""
+        out = jax.device_get(out)
+        for slot in np.flatnonzero(out.valid_S).tolist():
+            row = rows[owner[slot]]
+            assert out.index_S[slot] == len(row.ids), (out.index_S[slot], len(row.ids))
+            token = int(out.token_S[slot])
+            row.add(token, False, out.logp_S[slot], out.logp_raw_S[slot])
+            if out.ended_S[slot]:
+                row.ends.append(len(row.ids))
+                row.eos = token in eos
+                text = decode(row.ids[row.starts[-1]:])
+                waiting[slot] = pool.submit(_timed_step, envs[owner[slot]], text)
+
+    # Step k + 1 is dispatched before step k's tokens are read, so the device decodes while
+    # the host reads them (a slot whose turn ended at step k idles in step k + 1: its
+    # turn's end is decided on the device; the host learns it one step later).
+    unread = None
     with cf.ThreadPoolExecutor(config.env_workers or config.num_slots) as pool:
         while True:
             for slot, future in list(waiting.items()):
                 if future.done():
-                    obs, seconds = waiting.pop(slot).result()
+                    try:
+                        obs, seconds = waiting.pop(slot).result()
+                    except Exception as e:
+                        raise RuntimeError(f"the environment of row {owner[slot]} failed on "
+                                           f"turn {len(rows[owner[slot]].ends)}") from e
                     env_time += seconds
                     take_observation(slot, obs)
             for slot in range(config.num_slots):
@@ -267,23 +292,16 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                 state = _start(state, prefix, keys_B[next_row], np.int32(slot), layout,
                                sampling)
                 owner[slot], next_row = next_row, next_row + 1
-            if len(owner) > len(waiting):  # some slot decodes
+            if len(owner) > len(waiting):  # some slot decodes (as far as the host knows)
                 state, out = _step(graphdef, weights, state, layout, limits, sampling,
                                    config.attention)
                 decode_steps += 1
-                out = jax.device_get(out)
-                for slot in range(config.num_slots):
-                    if not out.valid_S[slot]:
-                        continue
-                    row = rows[owner[slot]]
-                    assert out.index_S[slot] == len(row.ids), (out.index_S[slot], len(row.ids))
-                    token = int(out.token_S[slot])
-                    row.add(token, False, out.logp_S[slot], out.logp_raw_S[slot])
-                    if out.ended_S[slot]:
-                        row.ends.append(len(row.ids))
-                        row.eos = token in eos
-                        text = decode(row.ids[row.starts[-1]:])
-                        waiting[slot] = pool.submit(_timed_step, envs[owner[slot]], text)
+                if unread is not None:
+                    take_tokens(unread, pool)
+                unread = out
+            elif unread is not None:
+                take_tokens(unread, pool)
+                unread = None
             elif waiting:
                 idle = time.perf_counter()
                 cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)

@@ -255,3 +255,19 @@ def test_one_or_four_slots_give_the_same_tokens_without_recompiling(model):
         np.testing.assert_array_equal(a.turn_ends_BxK, b.turn_ends_BxK)
         np.testing.assert_array_equal(a.reward_B, b.reward_B)
     assert one.decode_steps > four.decode_steps
+
+
+def test_a_failing_environment_names_its_row(model):
+    class Broken:
+        def step(self, turn):
+            raise KeyError("tool")
+
+    ids, mask = _prompts(PROMPTS[:2])
+    config = MultiTurnConfig(max_turns=2, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8)
+    envs = [ScriptedEnv([Observation(done=True)]), Broken()]
+    with pytest.raises(RuntimeError, match="environment of row 1 failed on turn 1"):
+        rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
+    mask[0] = False
+    with pytest.raises(ValueError, match=r"rows \[0\] have an empty prompt"):
+        rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
