@@ -1,0 +1,39 @@
+"""Multi-turn environments: the protocol (base.py), tool-call formats, tools, ToolEnv, registry."""
+
+from jaxrl.envs.base import EnvFactory, Environment, Observation, ToolStats
+from jaxrl.envs.calculator import Calculator
+from jaxrl.envs.python_tool import PythonTool
+from jaxrl.envs.registry import (
+    EnvBuilder,
+    make_env_factory,
+    register_env,
+    registered_envs,
+    resolve_env,
+)
+from jaxrl.envs.tool_calls import (
+    FormatName,
+    HermesFormat,
+    Llama3Format,
+    TagsFormat,
+    ToolCall,
+    ToolCallError,
+    ToolCallFormat,
+    format_for,
+    make_format,
+)
+from jaxrl.envs.tool_env import (
+    ToolEnv,
+    ToolName,
+    ToolsConfig,
+    ToolsFormat,
+    make_tool_env_factory,
+)
+from jaxrl.envs.tools import Tool, ToolResult, tool_schema
+
+__all__ = [
+    "Calculator", "EnvBuilder", "EnvFactory", "Environment", "FormatName", "HermesFormat",
+    "Llama3Format", "Observation", "PythonTool", "TagsFormat", "Tool", "ToolCall",
+    "ToolCallError", "ToolCallFormat", "ToolEnv", "ToolName", "ToolResult", "ToolStats",
+    "ToolsConfig", "ToolsFormat", "format_for", "make_env_factory", "make_format", "make_tool_env_factory",
+    "register_env", "registered_envs", "resolve_env", "tool_schema",
+]

@@ -1,0 +1,343 @@
+"""Multi-turn (agentic) rollouts: the policy and one environment per sample take turns.
+
+    out = rollout_multiturn(model, prompt_ids_BxP, prompt_mask_BxP, envs, encode, decode,
+                            key, config, sampling, num_generations=G)
+
+Each of the B = prompts x G rows (prompt-major) alternates: the policy generates a turn
+until a stop token (EOS or a tool call's end tag, kept), `max_turn_tokens` tokens or the
+row's budget; the turn's text goes to the row's environment (`jaxrl.envs.base`:
+`env.step(text) -> Observation`), in a worker thread; the observation's tokens are
+appended to the same slot's sequence as one prefill chunk written into its KV pages
+(`jaxrl.rollout.turns.extend`: the history is never prefilled again), and decoding goes on.
+
+    completion = turn 1 | obs 1 | turn 2 | obs 2 | ... | turn k     (at most max_total_tokens)
+
+The host loop runs every decode step for the slots that are decoding while the others wait
+on their environment (continuous batching: no slot waits for another's tool); it polls the
+environments' futures at every iteration, and a slot whose row finished takes the next row.
+Row r's completion token t (model tokens only are drawn) is drawn with fold_in(key_r, t),
+key_r the RL engine's row key (`decode_loop.row_keys`), so a row's tokens do not depend on
+the slot count or on the environments' timing.
+
+Episode ends: the environment says `done` (that observation is not appended; its reward is
+the row's), a turn ends on one of `eos_token_ids`, `max_turns` turns were taken, or the
+budget is spent (an observation longer than the room left is cut to fit, and ends it). The
+environment sees every turn, the last one too (it may score it). Rewards: the last one the
+environment gave, NaN where it gave none.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.envs.base import Environment, Observation
+from jaxrl.models import Transformer
+from jaxrl.rollout import turns
+from jaxrl.rollout.decode_loop import row_keys
+from jaxrl.rollout.sampler import Rollout
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.serving import ServeLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """The static shape of a multi-turn rollout.
+
+    max_turns: policy turns per episode. max_total_tokens: C, completion tokens per row
+    (turns and observations). max_turn_tokens: tokens of one turn. stop_token_ids: end a turn
+    (EOS and the tool call's end tag); eos_token_ids (added to them) also end the episode
+    after the environment saw the turn. num_slots: rows decoded at once. chunk_width: tokens
+    per `extend` call (an observation longer than chunk_width - 1 takes several).
+    env_workers: threads running `env.step` (None: num_slots).
+    """
+
+    max_turns: int
+    max_total_tokens: int
+    max_turn_tokens: int
+    num_slots: int = 8
+    page_size: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    chunk_width: int = 64
+    pad_token_id: int = 0
+    env_workers: int | None = None
+    attention: str = "xla"
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_total_tokens", "max_turn_tokens", "num_slots",
+                     "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_width < 2:
+            raise ValueError(f"chunk_width must be >= 2, got {self.chunk_width}")
+
+    @property
+    def limits(self) -> turns.TurnLimits:
+        stops = tuple(dict.fromkeys(self.stop_token_ids + self.eos_token_ids))
+        return turns.TurnLimits(stops, self.max_turn_tokens, self.max_total_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnRollout:
+    """B rows of a multi-turn rollout (host numpy arrays besides `rollout`).
+
+    rollout: the `Rollout` the trainer takes: completion_ids_BxC (C = max_total_tokens) =
+      turn 1 | obs 1 | turn 2 | ..., completion_mask_BxC 1 on every real token (model and
+      observation: the trainer attends over both), logp_BxC / logp_raw_BxC the sampler's
+      log-probs (as sampled / at temperature 1) on model tokens, 0 elsewhere; num_steps the
+      longest completion; decode_slot_steps the slots x decode steps run.
+    observation_mask_BxC: 1 on observation tokens (the loss mask is
+      completion_mask & ~observation_mask).
+    turn_starts_BxK, turn_ends_BxK (K = max_turns): completion columns [start, end) of each
+      turn's model tokens, -1 past num_turns_B; observation k fills [end_k, start_{k+1}),
+      a final (cut) one [end_k, its length).
+    reward_B: the environment's last reward, NaN where it gave none. truncated_B: the
+      episode ended by max_turns or the token budget, not by the environment or EOS.
+    tool_calls_B, tool_errors_B, tool_timeouts_B, tool_latency_s_B: `ToolStats` summed.
+    env_time_s: seconds in `env.step` summed over calls; env_wait_s: host seconds with no
+      slot to decode because every busy slot waited on its environment; decode_steps: the
+      decode steps run; wall_s: the whole call.
+    """
+
+    rollout: Rollout
+    observation_mask_BxC: np.ndarray
+    turn_starts_BxK: np.ndarray
+    turn_ends_BxK: np.ndarray
+    num_turns_B: np.ndarray
+    reward_B: np.ndarray
+    truncated_B: np.ndarray
+    tool_calls_B: np.ndarray
+    tool_errors_B: np.ndarray
+    tool_timeouts_B: np.ndarray
+    tool_latency_s_B: np.ndarray
+    env_time_s: float
+    env_wait_s: float
+    decode_steps: int
+    wall_s: float
+
+
+# The device operations, jitted once per (model graph, shapes, settings): `weights` traced.
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(graphdef, weights, ids_P, mask_P):
+    return turns.prefill_prompt(nnx.merge(graphdef, weights), ids_P, mask_P)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5), donate_argnums=(0,))
+def _start(state, prefix, key, slot, layout, sampling):
+    return turns.start(state, prefix, key, slot, layout, sampling)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6), donate_argnums=(2,))
+def _step(graphdef, weights, state, layout, limits, sampling, attention):
+    return turns.step(nnx.merge(graphdef, weights), state, layout, limits, sampling, attention)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
+def _extend(graphdef, weights, state, slot, ids_W, n, layout, sampling):
+    return turns.extend(nnx.merge(graphdef, weights), state, slot, ids_W, n, layout,
+                        sampling)[0]
+
+
+def jitted_ops():
+    """The jitted device operations (their `_cache_size()` tells compilations)."""
+    return {"prefill": _prefill, "start": _start, "step": _step, "extend": _extend}
+
+
+class _Row:
+    """One sample's host record while it runs."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.is_obs: list[bool] = []
+        self.logp: list[float] = []
+        self.logp_raw: list[float] = []
+        self.starts: list[int] = [0]
+        self.ends: list[int] = []
+        self.reward = float("nan")
+        self.tools = np.zeros(4)  # calls, errors, timeouts, latency_s
+        self.truncated = False
+        self.eos = False
+
+    def add(self, token, is_obs, logp=0.0, logp_raw=0.0):
+        self.ids.append(int(token))
+        self.is_obs.append(is_obs)
+        self.logp.append(float(logp))
+        self.logp_raw.append(float(logp_raw))
+
+
+def _timed_step(env: Environment, text: str) -> tuple[Observation, float]:
+    start = time.perf_counter()
+    obs = env.step(text)
+    return obs, time.perf_counter() - start
+
+
+def observation_ids(obs: Observation, encode: Callable[[str], list[int]]) -> list[int]:
+    """The tokens an observation appends: its ids, or its text encoded, or none."""
+    if obs.ids is not None:
+        return [int(i) for i in obs.ids]
+    return list(encode(obs.text)) if obs.text else []
+
+
+def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
+                      envs: Sequence[Environment], encode: Callable[[str], list[int]],
+                      decode: Callable[[list[int]], str], key: jax.Array,
+                      config: MultiTurnConfig, sampling: SamplingParams | None = None,
+                      *, num_generations: int = 1) -> MultiTurnRollout:
+    """Runs every row's episode (see the module docstring); `envs[r]` is row r's
+    environment. Prompts are left-padded, B = prompts x num_generations rows, prompt-major;
+    `key` is one key (or one per prompt), split per row as the RL engine does;
+    `sampling` defaults to temperature 1, no filter."""
+    began = time.perf_counter()
+    sampling = SamplingParams() if sampling is None else sampling
+    ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP, np.int32), np.asarray(prompt_mask_BxP, bool)
+    b, p = ids_BxP.shape
+    g = num_generations
+    if b % g or len(envs) != b:
+        raise ValueError(f"{b} rows must be prompts x {g} generations, with one environment "
+                         f"each (got {len(envs)})")
+    if not mask_BxP.any(axis=1).all():
+        raise ValueError(f"rows {np.flatnonzero(~mask_BxP.any(axis=1)).tolist()} have an "
+                         f"empty prompt")
+    c, w = config.max_total_tokens, config.chunk_width
+    layout = ServeLayout(config.num_slots, p, c, config.page_size)
+    limits = config.limits
+    eos = set(config.eos_token_ids)
+    graphdef, weights = nnx.split(model)
+    keys_B = row_keys(key, b // g, g)
+    state = turns.init_turn_state(model.config, layout)
+    rows = [_Row() for _ in range(b)]
+    owner: dict[int, int] = {}            # slot -> row
+    waiting: dict[int, cf.Future] = {}    # slot -> env.step future
+    next_row, prefix, prefix_of = 0, None, -1
+    env_time = env_wait = 0.0
+    decode_steps = 0
+
+    def finish(slot, truncated):
+        rows[owner.pop(slot)].truncated = truncated
+
+    def take_observation(slot, obs: Observation):
+        nonlocal state
+        r = owner[slot]
+        row = rows[r]
+        if obs.reward is not None:
+            row.reward = float(obs.reward)
+        t = obs.tools
+        row.tools += (t.calls, t.errors, t.timeouts, t.latency_s)
+        if obs.done or row.eos:
+            return finish(slot, False)
+        if len(row.ends) >= config.max_turns:
+            return finish(slot, True)
+        new = observation_ids(obs, encode)
+        room = c - len(row.ids)
+        if len(new) >= room:  # no room for a model token after it: cut, and the episode ends
+            for token in new[:room]:
+                row.add(token, True)
+            return finish(slot, True)
+        chunk = [row.ids[-1], *new]  # the turn's last token was not fed yet
+        for token in new:
+            row.add(token, True)
+        row.starts.append(len(row.ids))
+        for i in range(0, len(chunk), w):
+            piece = chunk[i:i + w]
+            ids_W = np.full((w,), config.pad_token_id, np.int32)
+            ids_W[:len(piece)] = piece
+            state = _extend(graphdef, weights, state, np.int32(slot), ids_W,
+                            np.int32(len(piece)), layout, sampling)
+
+    def take_tokens(out: turns.TurnTokens, pool):
+        """A step's tokens into their rows; a turn that ended goes to its environment."""
+        out = jax.device_get(out)
+        for slot in np.flatnonzero(out.valid_S).tolist():
+            row = rows[owner[slot]]
+            assert out.index_S[slot] == len(row.ids), (out.index_S[slot], len(row.ids))
+            token = int(out.token_S[slot])
+            row.add(token, False, out.logp_S[slot], out.logp_raw_S[slot])
+            if out.ended_S[slot]:
+                row.ends.append(len(row.ids))
+                row.eos = token in eos
+                text = decode(row.ids[row.starts[-1]:])
+                waiting[slot] = pool.submit(_timed_step, envs[owner[slot]], text)
+
+    # Step k + 1 is dispatched before step k's tokens are read, so the device decodes while
+    # the host reads them (a slot whose turn ended at step k idles in step k + 1: its
+    # turn's end is decided on the device; the host learns it one step later).
+    unread = None
+    with cf.ThreadPoolExecutor(config.env_workers or config.num_slots) as pool:
+        while True:
+            for slot, future in list(waiting.items()):
+                if future.done():
+                    try:
+                        obs, seconds = waiting.pop(slot).result()
+                    except Exception as e:
+                        raise RuntimeError(f"the environment of row {owner[slot]} failed on "
+                                           f"turn {len(rows[owner[slot]].ends)}") from e
+                    env_time += seconds
+                    take_observation(slot, obs)
+            for slot in range(config.num_slots):
+                if slot in owner or next_row == b:
+                    continue
+                if next_row // g != prefix_of:
+                    prefix_of = next_row // g
+                    prefix = _prefill(graphdef, weights, ids_BxP[next_row],
+                                      mask_BxP[next_row])
+                state = _start(state, prefix, keys_B[next_row], np.int32(slot), layout,
+                               sampling)
+                owner[slot], next_row = next_row, next_row + 1
+            if len(owner) > len(waiting):  # some slot decodes (as far as the host knows)
+                state, out = _step(graphdef, weights, state, layout, limits, sampling,
+                                   config.attention)
+                decode_steps += 1
+                if unread is not None:
+                    take_tokens(unread, pool)
+                unread = out
+            elif unread is not None:
+                take_tokens(unread, pool)
+                unread = None
+            elif waiting:
+                idle = time.perf_counter()
+                cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)
+                env_wait += time.perf_counter() - idle
+            else:
+                break
+    return _assemble(rows, ids_BxP, mask_BxP, config, layout, env_time, env_wait,
+                     decode_steps, time.perf_counter() - began)
+
+
+def _assemble(rows, ids_BxP, mask_BxP, config, layout, env_time, env_wait, decode_steps,
+              wall_s) -> MultiTurnRollout:
+    b, c, k = len(rows), config.max_total_tokens, config.max_turns
+    ids = np.full((b, c), config.pad_token_id, np.int32)
+    mask, obs_mask = np.zeros((b, c), bool), np.zeros((b, c), bool)
+    logp, logp_raw = np.zeros((b, c), np.float32), np.zeros((b, c), np.float32)
+    starts, ends = np.full((b, k), -1, np.int32), np.full((b, k), -1, np.int32)
+    for r, row in enumerate(rows):
+        n = len(row.ids)
+        ids[r, :n], mask[r, :n], obs_mask[r, :n] = row.ids, True, row.is_obs
+        logp[r, :n], logp_raw[r, :n] = row.logp, row.logp_raw
+        starts[r, :len(row.ends)] = row.starts[:len(row.ends)]
+        ends[r, :len(row.ends)] = row.ends
+    tools = np.stack([row.tools for row in rows]) if rows else np.zeros((0, 4))
+    lengths = mask.sum(axis=1)
+    rollout = Rollout(
+        prompt_ids_BxP=jnp.asarray(ids_BxP), prompt_mask_BxP=jnp.asarray(mask_BxP),
+        completion_ids_BxC=jnp.asarray(ids), completion_mask_BxC=jnp.asarray(mask),
+        logp_BxC=jnp.asarray(logp), logp_raw_BxC=jnp.asarray(logp_raw),
+        num_steps=jnp.asarray(int(lengths.max(initial=0)), jnp.int32),
+        decode_slot_steps=jnp.asarray(decode_steps * layout.num_slots, jnp.int32))
+    return MultiTurnRollout(
+        rollout=rollout, observation_mask_BxC=obs_mask, turn_starts_BxK=starts,
+        turn_ends_BxK=ends, num_turns_B=np.array([len(r.ends) for r in rows], np.int32),
+        reward_B=np.array([r.reward for r in rows], np.float32),
+        truncated_B=np.array([r.truncated for r in rows], bool),
+        tool_calls_B=tools[:, 0].astype(np.int32), tool_errors_B=tools[:, 1].astype(np.int32),
+        tool_timeouts_B=tools[:, 2].astype(np.int32), tool_latency_s_B=tools[:, 3],
+        env_time_s=env_time, env_wait_s=env_wait, decode_steps=decode_steps, wall_s=wall_s)

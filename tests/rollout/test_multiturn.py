@@ -1,0 +1,273 @@
+"""Multi-turn rollouts (`jaxrl.rollout.multiturn`, `jaxrl.rollout.turns`): an observation
+appended as one chunk equals the full forward and token-by-token decoding; the token layout,
+masks and turn boundaries of a scripted environment; the sampler's log-probs equal the
+trainer's; slots waiting on an environment do not stall the others; the budget and turn
+limits; the same tokens with 1 or 4 slots, and no recompilation on a second call."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.envs.base import Observation, ToolStats
+from jaxrl.models import PagedKV, Transformer
+from jaxrl.models.config import tiny_config
+from jaxrl.rollout import turns
+from jaxrl.rollout.multiturn import MultiTurnConfig, jitted_ops, rollout_multiturn
+from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.serving import ServeLayout
+from jaxrl.step.forward import completion_log_probs
+
+EOS = 2
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31]]
+WIDTH = 6
+
+
+def encode(text):
+    return [int(t) for t in text.split()]
+
+
+def decode(ids):
+    return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(tiny_config("qwen2", vocab_size=48, eos_token_id=EOS), rngs=nnx.Rngs(0))
+
+
+def _prompts(prompts, g=1):
+    ids = np.zeros((len(prompts) * g, WIDTH), np.int32)
+    mask = np.zeros((len(prompts) * g, WIDTH), bool)
+    for i, p in enumerate(prompts):
+        for j in range(g):
+            ids[i * g + j, WIDTH - len(p):], mask[i * g + j, WIDTH - len(p):] = p, True
+    return ids, mask
+
+
+class ScriptedEnv:
+    """Answers turn k with `answers[k]` (an Observation); records the turns it saw and when."""
+
+    def __init__(self, answers, sleep=0.0):
+        self.answers, self.sleep, self.turns, self.times = list(answers), sleep, [], []
+
+    def step(self, turn):
+        self.turns.append(turn)
+        time.sleep(self.sleep if len(self.turns) == 1 else 0.0)
+        self.times.append(time.perf_counter())
+        return self.answers[min(len(self.turns), len(self.answers)) - 1]
+
+
+class EchoEnv:
+    """Deterministic in the turn's text: echoes its last two tokens plus 40, done after 3."""
+
+    def __init__(self):
+        self.n = 0
+
+    def step(self, turn):
+        self.n += 1
+        last = encode(turn)[-2:]
+        if self.n == 3:
+            return Observation(done=True, reward=float(sum(last)))
+        return Observation(text=decode([*last, 40]), tools=ToolStats(calls=1, latency_s=0.5))
+
+
+def test_extend_equals_the_full_forward_and_token_by_token_decoding(model):
+    """Prompt, a 3-token turn, then the turn's last token and a 5-token observation as one
+    chunk (crossing pages, padded): the chunk's last logits are the full forward's, and the
+    same k/v and logits as feeding the tokens one at a time through `decode_paged`."""
+    sampling = SamplingParams(temperature=0.0)
+    layout = ServeLayout(2, WIDTH, 16, page_size=4)
+    limits = turns.TurnLimits((), max_turn_tokens=3, max_total_tokens=16)
+    ids, mask = _prompts(PROMPTS[:1])
+    state = turns.init_turn_state(model.config, layout)
+    prefix = turns.prefill_prompt(model, ids[0], mask[0])
+    state = turns.start(state, prefix, jax.random.key(1), 1, layout, sampling)  # slot 1
+    turn = []
+    for _ in range(3):
+        state, out = turns.step(model, state, layout, limits, sampling)
+        turn.append(int(out.token_S[1]))
+    assert bool(out.ended_S[1]) and not bool(state.live_S[1])
+    obs = [11, 12, 13, 14, 15]
+    chunk = np.zeros((8,), np.int32)
+    chunk[:6] = [turn[-1], *obs]
+    pos = int(state.pos_S[1])
+    assert pos == 3 + 2  # the turn's last token is not fed yet
+    extended, logits_V = turns.extend(model, state, 1, chunk, 6, layout, sampling)
+
+    full = jnp.asarray([PROMPTS[0] + turn + obs])
+    want_V = model(full)[0, -1]
+    np.testing.assert_allclose(logits_V, want_V, atol=1e-5, rtol=1e-5)
+    assert int(extended.token_S[1]) == int(jnp.argmax(want_V))  # greedy draws from it
+    assert int(extended.pos_S[1]) == pos + 6 and bool(extended.live_S[1])
+
+    kv_pages, table = state.kv_pages, layout.page_table()
+    for i, token in enumerate(chunk[:6]):
+        p = pos + i
+        paged = PagedKV(kv_pages, table, jnp.asarray([0, p + 1]),
+                        jnp.asarray([-1, int(table[1, p // 4])]), jnp.asarray([0, p % 4]))
+        step_logits, kv_pages = model.decode_paged(jnp.asarray([0, token]),
+                                                   jnp.asarray([0, p]), paged)
+    np.testing.assert_allclose(logits_V, step_logits[1], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(extended.kv_pages, kv_pages, atol=1e-5, rtol=1e-5)
+
+
+def test_a_scripted_environment_gives_the_layout_masks_and_boundaries(model):
+    """Turns of 4 tokens (no stop tokens); observation 1 as ids, observation 2 as text,
+    done with a reward after turn 3."""
+    answers = [Observation(ids=[30, 31, 32], tools=ToolStats(calls=1, errors=1, latency_s=0.25)),
+               Observation(text="41 42"),
+               Observation(done=True, reward=1.5, tools=ToolStats(calls=2, timeouts=1))]
+    envs = [ScriptedEnv(answers), ScriptedEnv(answers[:1] + [Observation(done=True)])]
+    ids, mask = _prompts(PROMPTS[:2])
+    config = MultiTurnConfig(max_turns=5, max_total_tokens=24, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8)
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
+    r = out.rollout
+    comp, cmask = np.asarray(r.completion_ids_BxC), np.asarray(r.completion_mask_BxC)
+    obs = out.observation_mask_BxC
+    # Row 0: turn (0-4) | 30 31 32 | turn (7-11) | 41 42 | turn (13-17) | pad.
+    assert out.num_turns_B.tolist() == [3, 2]
+    assert out.turn_starts_BxK[0].tolist() == [0, 7, 13, -1, -1]
+    assert out.turn_ends_BxK[0].tolist() == [4, 11, 17, -1, -1]
+    assert out.turn_starts_BxK[1].tolist()[:3] == [0, 7, -1]
+    assert comp[0, 4:7].tolist() == [30, 31, 32] and comp[0, 11:13].tolist() == [41, 42]
+    assert obs[0].nonzero()[0].tolist() == [4, 5, 6, 11, 12]
+    assert cmask[0].tolist() == [True] * 17 + [False] * 7
+    assert cmask[1].sum() == 11 and obs[1].nonzero()[0].tolist() == [4, 5, 6]
+    model_tokens = cmask & ~obs
+    logp = np.asarray(r.logp_raw_BxC)
+    assert np.all(logp[model_tokens] < 0) and np.all(logp[~model_tokens] == 0)
+    # The environment saw each turn's text (its own tokens, decoded).
+    assert envs[0].turns == [decode(comp[0, s:e].tolist())
+                             for s, e in zip(out.turn_starts_BxK[0][:3], out.turn_ends_BxK[0][:3],
+                                             strict=True)]
+    assert out.reward_B[0] == 1.5 and np.isnan(out.reward_B[1])
+    assert out.tool_calls_B.tolist() == [3, 1] and out.tool_errors_B.tolist() == [1, 1]
+    assert out.tool_timeouts_B.tolist() == [1, 0]
+    np.testing.assert_allclose(out.tool_latency_s_B, [0.25, 0.25])
+    assert not out.truncated_B.any() and int(r.num_steps) == 17
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_sampler_log_probs_equal_the_trainers(model, g):
+    """The trainer's forward over prompt + completion (observations included) gives the
+    rollout's logp_raw on every model token; at temperature 1 without filters logp too."""
+    sampling = SamplingParams(temperature=1.0)
+    ids, mask = _prompts(PROMPTS, g)
+    envs = [EchoEnv() for _ in range(len(ids))]
+    config = MultiTurnConfig(max_turns=4, max_total_tokens=24, max_turn_tokens=5, num_slots=3,
+                             page_size=4, chunk_width=8, stop_token_ids=(7, 9))
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(2), config,
+                            sampling, num_generations=g)
+    r = out.rollout
+    cmask = np.asarray(r.completion_mask_BxC)
+    loss_mask = cmask & ~out.observation_mask_BxC
+    batch = {"ids_BxT": jnp.concatenate([r.prompt_ids_BxP, r.completion_ids_BxC], axis=1),
+             "mask_BxT": jnp.concatenate([r.prompt_mask_BxP, r.completion_mask_BxC], axis=1),
+             "loss_mask_BxC": jnp.asarray(loss_mask)}
+    trainer_BxC, _ = completion_log_probs(model, batch, 1.0)
+    np.testing.assert_allclose(np.where(loss_mask, trainer_BxC, 0), r.logp_raw_BxC,
+                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(r.logp_BxC, r.logp_raw_BxC, atol=1e-6)
+    assert out.observation_mask_BxC.sum() > 0 and out.num_turns_B.max() == 3
+    assert (out.tool_calls_B == out.num_turns_B.clip(max=2)).all()  # 2 observations at most
+
+
+def test_a_slow_environment_does_not_stall_the_other_slots(model):
+    """Row 0's environment sleeps 0.3 s on its first turn; with 2 slots the other 3 rows run
+    all their turns (through the other slot) before it returns."""
+    answers = [Observation(ids=[30, 31]), Observation(done=True, reward=1.0)]
+    ids, mask = _prompts(PROMPTS)
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=16, max_turn_tokens=3, num_slots=2,
+                             page_size=4, chunk_width=8)
+
+    def run(sleep):
+        envs = [ScriptedEnv(answers, sleep if i == 0 else 0.0) for i in range(4)]
+        return envs, rollout_multiturn(model, ids, mask, envs, encode, decode,
+                                       jax.random.key(3), config)
+
+    fast_envs, fast = run(0.0)  # compiles everything first
+    envs, out = run(0.3)
+    slow_return = envs[0].times[0]
+    assert all(len(e.times) == 2 and e.times[-1] < slow_return for e in envs[1:])
+    assert out.env_wait_s > 0.1 and out.env_time_s > 0.3
+    assert threading.active_count() < 20
+    # Timing changed nothing about the tokens.
+    np.testing.assert_array_equal(out.rollout.completion_ids_BxC, fast.rollout.completion_ids_BxC)
+
+
+def test_budget_and_turn_limits_end_the_episode(model):
+    ids, mask = _prompts(PROMPTS[:2])
+    long_obs = Observation(ids=list(range(20, 30)))
+    # Budget 12, turns of 4: turn | 8 of the 10 observation tokens, and the episode ends.
+    config = MultiTurnConfig(max_turns=5, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8)
+    envs = [ScriptedEnv([long_obs]) for _ in range(2)]
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(4), config)
+    comp = np.asarray(out.rollout.completion_ids_BxC)
+    assert comp[:, 4:].tolist() == [list(range(20, 28))] * 2
+    assert out.observation_mask_BxC.sum(axis=1).tolist() == [8, 8]
+    assert out.num_turns_B.tolist() == [1, 1] and out.truncated_B.all()
+    # A turn cut by the budget (6 of 10 tokens): the environment still sees it.
+    config = MultiTurnConfig(max_turns=5, max_total_tokens=6, max_turn_tokens=10, num_slots=2,
+                             page_size=4, chunk_width=8)
+    envs = [ScriptedEnv([Observation(ids=[30], reward=0.5)]) for _ in range(2)]
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(4), config)
+    assert np.asarray(out.rollout.completion_mask_BxC).all() and out.truncated_B.all()
+    assert out.turn_ends_BxK[:, 0].tolist() == [6, 6] and [len(e.turns) for e in envs] == [1, 1]
+    assert out.reward_B.tolist() == [0.5, 0.5]
+    # max_turns 2 with an environment that never ends: 2 turns, the second observation dropped.
+    config = MultiTurnConfig(max_turns=2, max_total_tokens=24, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8)
+    envs = [ScriptedEnv([Observation(ids=[30, 31])]) for _ in range(2)]
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(4), config)
+    assert out.num_turns_B.tolist() == [2, 2] and [len(e.turns) for e in envs] == [2, 2]
+    assert np.asarray(out.rollout.completion_mask_BxC).sum(axis=1).tolist() == [10, 10]
+    assert out.truncated_B.all()
+
+
+def test_one_or_four_slots_give_the_same_tokens_without_recompiling(model):
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    ids, mask = _prompts(PROMPTS, 2)
+
+    def run(slots):
+        config = MultiTurnConfig(max_turns=4, max_total_tokens=24, max_turn_tokens=5,
+                                 num_slots=slots, page_size=4, chunk_width=4,
+                                 stop_token_ids=(7, 9), eos_token_ids=(EOS,))
+        envs = [EchoEnv() for _ in range(len(ids))]
+        return rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(5),
+                                 config, sampling, num_generations=2)
+
+    one = run(1)
+    four = run(4)
+    sizes = {name: f._cache_size() for name, f in jitted_ops().items()}
+    again = run(4)
+    assert {name: f._cache_size() for name, f in jitted_ops().items()} == sizes
+    for a, b in ((one, four), (four, again)):
+        for name in ("completion_ids_BxC", "completion_mask_BxC", "logp_BxC"):
+            np.testing.assert_allclose(getattr(a.rollout, name), getattr(b.rollout, name),
+                                       atol=1e-5)
+        np.testing.assert_array_equal(a.turn_ends_BxK, b.turn_ends_BxK)
+        np.testing.assert_array_equal(a.reward_B, b.reward_B)
+    assert one.decode_steps > four.decode_steps
+
+
+def test_a_failing_environment_names_its_row(model):
+    class Broken:
+        def step(self, turn):
+            raise KeyError("tool")
+
+    ids, mask = _prompts(PROMPTS[:2])
+    config = MultiTurnConfig(max_turns=2, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8)
+    envs = [ScriptedEnv([Observation(done=True)]), Broken()]
+    with pytest.raises(RuntimeError, match="environment of row 1 failed on turn 1"):
+        rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
+    mask[0] = False
+    with pytest.raises(ValueError, match=r"rows \[0\] have an empty prompt"):
+        rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
