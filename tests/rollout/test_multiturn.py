@@ -162,7 +162,8 @@ def test_a_scripted_environment_gives_the_layout_masks_and_boundaries(model):
 def test_sampler_log_probs_equal_the_trainers(model, g, family):
     """The trainer's forward over prompt + completion (observations included) gives the
     rollout's logp_raw on every model token; at temperature 1 without filters logp too.
-    (mistral: a sliding window of 4 tokens, scanned layers.)"""
+    Observations (3 tokens after the turn's last) take 2 `extend` chunks of 3. (mistral: a
+    sliding window of 4 tokens, scanned layers.)"""
     if family != "qwen2":
         model = Transformer(tiny_config(family, vocab_size=48, eos_token_id=EOS,
                                         scan_layers=True), rngs=nnx.Rngs(1))
@@ -170,7 +171,7 @@ def test_sampler_log_probs_equal_the_trainers(model, g, family):
     ids, mask = _prompts(PROMPTS, g)
     envs = [EchoEnv() for _ in range(len(ids))]
     config = MultiTurnConfig(max_turns=4, max_total_tokens=24, max_turn_tokens=5, num_slots=3,
-                             page_size=4, chunk_width=8, stop_token_ids=(7, 9))
+                             page_size=4, chunk_width=3, stop_token_ids=(7, 9))
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(2), config,
                             sampling, num_generations=g)
     r = out.rollout
