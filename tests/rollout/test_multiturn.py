@@ -176,7 +176,8 @@ def test_sampler_log_probs_equal_the_trainers(model, g, family):
                             sampling, num_generations=g)
     r = out.rollout
     cmask = np.asarray(r.completion_mask_BxC)
-    loss_mask = cmask & ~out.observation_mask_BxC
+    loss_mask = out.loss_mask_BxC
+    assert (loss_mask == (cmask & ~out.observation_mask_BxC)).all() and loss_mask.any()
     batch = {"ids_BxT": jnp.concatenate([r.prompt_ids_BxP, r.completion_ids_BxC], axis=1),
              "mask_BxT": jnp.concatenate([r.prompt_mask_BxP, r.completion_mask_BxC], axis=1),
              "loss_mask_BxC": jnp.asarray(loss_mask)}
