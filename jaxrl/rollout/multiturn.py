@@ -124,6 +124,11 @@ class MultiTurnRollout:
     decode_steps: int
     wall_s: float
 
+    @property
+    def loss_mask_BxC(self) -> np.ndarray:
+        """The policy's own tokens: completion_mask & ~observation_mask."""
+        return np.asarray(self.rollout.completion_mask_BxC) & ~self.observation_mask_BxC
+
 
 # The device operations, jitted once per (model graph, shapes, settings): `weights` traced.
 @functools.partial(jax.jit, static_argnums=(0,))

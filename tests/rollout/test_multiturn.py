@@ -76,10 +76,15 @@ class EchoEnv:
         return Observation(text=decode([*last, 40]), tools=ToolStats(calls=1, latency_s=0.5))
 
 
-def test_extend_equals_the_full_forward_and_token_by_token_decoding(model):
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen2", {}), ("mistral", {"scan_layers": True}), ("qwen3_moe", {})])
+def test_extend_equals_the_full_forward_and_token_by_token_decoding(family, overrides):
     """Prompt, a 3-token turn, then the turn's last token and a 5-token observation as one
     chunk (crossing pages, padded): the chunk's last logits are the full forward's, and the
-    same k/v and logits as feeding the tokens one at a time through `decode_paged`."""
+    same k/v and logits as feeding the tokens one at a time through `decode_paged` (also
+    with a sliding window shorter than the chunk, scanned layers, a mixture of experts)."""
+    model = Transformer(tiny_config(family, vocab_size=48, eos_token_id=EOS, **overrides),
+                        rngs=nnx.Rngs(0))
     sampling = SamplingParams(temperature=0.0)
     layout = ServeLayout(2, WIDTH, 16, page_size=4)
     limits = turns.TurnLimits((), max_turn_tokens=3, max_total_tokens=16)
@@ -153,20 +158,26 @@ def test_a_scripted_environment_gives_the_layout_masks_and_boundaries(model):
     assert not out.truncated_B.any() and int(r.num_steps) == 17
 
 
-@pytest.mark.parametrize("g", [1, 2])
-def test_sampler_log_probs_equal_the_trainers(model, g):
+@pytest.mark.parametrize("g, family", [(1, "qwen2"), (2, "qwen2"), (2, "mistral")])
+def test_sampler_log_probs_equal_the_trainers(model, g, family):
     """The trainer's forward over prompt + completion (observations included) gives the
-    rollout's logp_raw on every model token; at temperature 1 without filters logp too."""
+    rollout's logp_raw on every model token; at temperature 1 without filters logp too.
+    Observations (3 tokens after the turn's last) take 2 `extend` chunks of 3. (mistral: a
+    sliding window of 4 tokens, scanned layers.)"""
+    if family != "qwen2":
+        model = Transformer(tiny_config(family, vocab_size=48, eos_token_id=EOS,
+                                        scan_layers=True), rngs=nnx.Rngs(1))
     sampling = SamplingParams(temperature=1.0)
     ids, mask = _prompts(PROMPTS, g)
     envs = [EchoEnv() for _ in range(len(ids))]
     config = MultiTurnConfig(max_turns=4, max_total_tokens=24, max_turn_tokens=5, num_slots=3,
-                             page_size=4, chunk_width=8, stop_token_ids=(7, 9))
+                             page_size=4, chunk_width=3, stop_token_ids=(7, 9))
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(2), config,
                             sampling, num_generations=g)
     r = out.rollout
     cmask = np.asarray(r.completion_mask_BxC)
-    loss_mask = cmask & ~out.observation_mask_BxC
+    loss_mask = out.loss_mask_BxC
+    assert (loss_mask == (cmask & ~out.observation_mask_BxC)).all() and loss_mask.any()
     batch = {"ids_BxT": jnp.concatenate([r.prompt_ids_BxP, r.completion_ids_BxC], axis=1),
              "mask_BxT": jnp.concatenate([r.prompt_mask_BxP, r.completion_mask_BxC], axis=1),
              "loss_mask_BxC": jnp.asarray(loss_mask)}
