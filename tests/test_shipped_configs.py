@@ -26,7 +26,8 @@ RECIPES = {"grpo_gsm8k_qwen2.5-1.5b.yaml": "qwen2", "dapo_gsm8k_llama3.2-3b.yaml
            "ppo_gsm8k_qwen2.5-0.5b.yaml": "qwen2",
            "lora_grpo_gsm8k_llama3.2-1b.yaml": "llama"}
 SCHEMAS = {"check.yaml": CheckConfig, "generate.yaml": GenerateConfig,
-           "quickstart.yaml": ExperimentConfig, **dict.fromkeys(RECIPES, ExperimentConfig)}
+           "quickstart.yaml": ExperimentConfig, "tool_multiplication.yaml": ExperimentConfig,
+           **dict.fromkeys(RECIPES, ExperimentConfig)}
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 

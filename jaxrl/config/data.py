@@ -1,6 +1,7 @@
 """The `data` section: the task (prompts + verifier rewards) and how its prompts are batched.
 
-    task               addition (synthetic) | gsm8k | math (MATH-style) | custom
+    task               addition (synthetic) | tool_multiplication (synthetic, multi-turn: a
+                       calculator tool) | gsm8k | math (MATH-style) | custom
     source             dataset tasks: a data file, a directory or a Hugging Face dataset name
                        (jaxrl.data.sources); addition makes its own prompts (null)
     subset, split      the dataset config ("main") and the split training reads ("train")
@@ -20,6 +21,11 @@
     num_digits, num_prompts   addition: operand digits, prompts drawn for training
     chat_template, max_prompt_len, batch_size   tokenizing and batching (prompts per step)
     curriculum         none | pass_rate | ordered: which prompts each step takes
+    env                multi-turn: the environment each sample talks to between its turns,
+                       a registered name (tools) or "module:attribute" of a factory
+                       (row -> Environment, `jaxrl.envs`); null: the task's own (none for
+                       single-turn tasks)
+    tools              the tool environment's tools, call format and limits (`jaxrl.config.tools`)
 
 Everything that can be checked without reading data is checked here, when the config is made;
 the rest (columns, rows, the reward function) when the task is made.
@@ -33,12 +39,13 @@ import math
 from typing import Literal, get_args
 
 from jaxrl.config.load import fail, require_at_least
+from jaxrl.config.tools import ToolsSection
 
-TaskName = Literal["addition", "gsm8k", "math", "custom"]
+TaskName = Literal["addition", "tool_multiplication", "gsm8k", "math", "custom"]
 AnswerFormat = Literal["boxed", "tags"]  # jaxrl.data.tasks.formats
 ANSWER_FORMATS: tuple[AnswerFormat, ...] = get_args(AnswerFormat)
 Curriculum = Literal["none", "pass_rate", "ordered"]
-SYNTHETIC_TASKS = ("addition",)  # make their own prompts and tokenizer
+SYNTHETIC_TASKS = ("addition", "tool_multiplication")  # make their own prompts and tokenizer
 MATH_TASKS = ("gsm8k", "math")  # an answer column, math-verify correctness, a format
 # Keys that only dataset tasks read: a synthetic task rejects them when they are set.
 _DATASET_KEYS = ("source", "subset", "split", "eval_source", "eval_split", "fields",
@@ -70,6 +77,8 @@ class DataSection:
     max_prompt_len: int = 256  # longer prompts are dropped (and counted), never truncated
     batch_size: int = 32  # prompts per step (x rollout.num_generations samples)
     curriculum: Curriculum = "none"  # which prompts a step takes: jaxrl.data.curriculum
+    env: str | None = None  # multi-turn: "tools" or "module:attribute"; null: the task's own
+    tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)
 
     def __post_init__(self):
         if self.task not in get_args(TaskName):
@@ -81,6 +90,13 @@ class DataSection:
                              "data.difficulty_column to a numeric column of the dataset")
         if not 1 <= self.num_digits <= 18:
             fail("data", self, "num_digits", "in [1, 18]")
+        if self.task == "tool_multiplication" and self.num_digits > 9:
+            fail("data", self, "num_digits", "in [1, 9] for data.task=tool_multiplication")
+        if self.env is not None and not self.env.strip():
+            fail("data", self, "env", "a registered environment name or \"module:attribute\", "
+                                      "or null")
+        if not isinstance(self.tools, ToolsSection):
+            fail("data", self, "tools", "a ToolsSection")
         if self.format not in ANSWER_FORMATS:
             fail("data", self, "format", f"one of {', '.join(ANSWER_FORMATS)}")
         if not (math.isfinite(self.format_weight) and self.format_weight >= 0):

@@ -64,9 +64,18 @@ class RolloutSection(SamplingSection):
     # the steps it waits for, each piece with the newest weights (PipelineRL's in-flight
     # weight updates; jaxrl.rollout.inflight). Each token records its weight version.
     inflight_updates: bool = False
+    # Multi-turn (the task's environment or data.env; `jaxrl.rollout.multiturn`): policy turns
+    # per sample, max_new_tokens each, and the completion's budget over all turns and the
+    # observations between them (null: max_turns x max_new_tokens).
+    max_turns: int = 1
+    max_total_tokens: int | None = None
 
     def __post_init__(self):
-        require_at_least("rollout", self, ("num_generations", "max_new_tokens", "page_size"))
+        require_at_least("rollout", self, ("num_generations", "max_new_tokens", "page_size",
+                                           "max_turns"))
+        if self.max_total_tokens is not None and self.max_total_tokens < self.max_new_tokens:
+            fail("rollout", self, "max_total_tokens", f">= rollout.max_new_tokens="
+                                                      f"{self.max_new_tokens} (one turn), or null")
         require_at_least("rollout", self, ("max_slots", "kv_pages"), 1, " or null")
         require_at_least("rollout", self, ("min_slots",), 2, " or null")
         try:
@@ -81,6 +90,13 @@ class RolloutSection(SamplingSection):
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")
         super().__post_init__()
+
+    @property
+    def completion_budget(self) -> int:
+        """C: completion tokens of a sample (all turns and observations when multi-turn)."""
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        return self.max_turns * self.max_new_tokens
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_slots=self.max_slots, page_size=self.page_size,

@@ -52,6 +52,7 @@ class ToolsConfig:
     python_timeout_s: float = 5.0
     python_memory_mb: int = 1024
     python_max_output_bytes: int = 4096
+    max_result_chars: int | None = None  # a result's text is cut to this (None: whole)
 
     def __post_init__(self):
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -71,6 +72,9 @@ class ToolsConfig:
                       "python_max_output_bytes"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"ToolsConfig.{field} must be > 0, got {getattr(self, field)}")
+        if self.max_result_chars is not None and self.max_result_chars < 1:
+            raise ValueError(f"ToolsConfig.max_result_chars must be >= 1 or None, got "
+                             f"{self.max_result_chars}")
 
     def build_tools(self) -> tuple[Tool, ...]:
         """The configured tools, in order."""
@@ -90,6 +94,9 @@ class ToolEnv:
     tools: Sequence[Tool]
     format: ToolCallFormat
     max_calls_per_turn: int = 4
+    # Each result's text is cut to this many characters (None: whole): an error message is
+    # long for a small model's budget, and its gist is in its first words.
+    max_result_chars: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -113,6 +120,9 @@ class ToolEnv:
                    ToolResult(f"error: more than {self.max_calls_per_turn} tool calls in one "
                               "turn; this one was not run", error=True)
                    for i, call in enumerate(calls)]
+        if self.max_result_chars is not None:
+            results = [dataclasses.replace(r, text=r.text[:self.max_result_chars])
+                       for r in results]
         stats = ToolStats(calls=len(results), errors=sum(r.error for r in results),
                           timeouts=sum(r.timed_out for r in results),
                           latency_s=sum(r.latency_s for r in results))
@@ -148,6 +158,6 @@ def make_tool_env_factory(config: ToolsConfig, tokenizer: Any = None) -> EnvFact
         fmt = dataclasses.replace(fmt, tool_names=tuple(tool.name for tool in tools))
 
     def factory(row: Mapping[str, Any]) -> ToolEnv:
-        return ToolEnv(tools, fmt, config.max_calls_per_turn)
+        return ToolEnv(tools, fmt, config.max_calls_per_turn, config.max_result_chars)
 
     return factory

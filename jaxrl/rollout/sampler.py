@@ -56,6 +56,10 @@ class Rollout:
 
     logp_BxC is under the distribution sampled from (temperature, top-k, top-p applied);
     logp_raw_BxC under the model at temperature 1. Both are 0 where the mask is 0.
+
+    A multi-turn rollout (`jaxrl.rollout.multiturn`) also sets `observation_mask_BxC`: 1 on
+    the environments' tokens inside the completion, which the trainer attends over (they are
+    in completion_mask_BxC) but never trains on (out of the loss mask; their log-probs 0).
     """
 
     prompt_ids_BxP: jax.Array
@@ -68,6 +72,14 @@ class Rollout:
     # One-row forward passes the decode loop ran, live or not: rows x (num_steps - 1) here;
     # the engine's slots summed over its iterations. What the decode FLOPs scale with.
     decode_slot_steps: jax.Array
+    observation_mask_BxC: jax.Array | None = None
+
+    def model_token_mask(self) -> jax.Array:
+        """bool_BxC: the tokens the policy sampled (the completion less any observation)."""
+        mask_BxC = self.completion_mask_BxC.astype(bool)
+        if self.observation_mask_BxC is None:
+            return mask_BxC
+        return mask_BxC & ~self.observation_mask_BxC.astype(bool)
 
 
 def sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,

@@ -46,6 +46,7 @@ from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrai
 from jaxrl.models.layers import INIT_STD
 from jaxrl.perf import device_memory, format_bytes
 from jaxrl.rollout import Sampler, SamplerConfig
+from jaxrl.run.episodes import env_rewards, env_spec, make_episodes, multiturn_algo
 from jaxrl.run.placement import Placed, Placement
 from jaxrl.run.run_dir import INIT_MODEL_DIR
 from jaxrl.sharding import Layout, create_sharded, make_mesh, resolve_layout
@@ -53,6 +54,7 @@ from jaxrl.sharding.layout import LayoutError
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step.asynchronous import AsyncStep
 from jaxrl.step.builder import Step, build_step
+from jaxrl.step.multiturn import MultiTurnStep
 from jaxrl.step.state import reference_params, train_state_from_model
 
 
@@ -197,6 +199,10 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                   f"{stats.longest} tokens)")
 
     rewards = task.reward_set(tokenizer, task.train_rows)
+    spec = env_spec(cfg, task)  # multi-turn: the environment answering the turns
+    if spec is not None:
+        rewards = dataclasses.replace(rewards, rewards=[*rewards.rewards,
+                                                        *env_rewards(spec, task)])
     ts = train_state_from_model(model, cfg.optim, mesh, layout.train_rules,
                                 critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None)
     sampler_config = SamplerConfig(
@@ -217,7 +223,13 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         algo = dataclasses.replace(algo, mode="split")
         console.print(f"[bold]algo.mode[/]: split (Python rewards on {jax.process_count()} "
                       f"processes: each scores its own rows; same results as fused)")
-    if rollout_mesh is not None:
+    if spec is not None:
+        algo = multiturn_algo(dataclasses.replace(cfg, algo=algo), spec, console)
+        step = MultiTurnStep(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
+                             rules=layout.train_rules, phase_times=_phase_times(cfg, mesh),
+                             episodes=make_episodes(cfg, spec, task, tokenizer, stop_token_ids(
+                                 tokenizer, model_config, ())))
+    elif rollout_mesh is not None:
         step = AsyncStep(algo, graphdef, sampler, rewards, optim=cfg.optim,
                          train=(mesh, layout.train_rules),
                          rollout=(rollout_mesh, rollout_layout.rollout_rules),
@@ -280,7 +292,7 @@ def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path:
         intermediate_size=init.intermediate_size, num_layers=init.num_layers,
         num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
         head_dim=init.hidden_size // init.num_heads,
-        max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+        max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.completion_budget,
         tie_word_embeddings=init.tie_word_embeddings, rope_theta=init.rope_theta,
         qkv_bias=init.family == "qwen2",
         qk_norm=init.family in ("qwen3", "qwen3_moe"), bos_token_id=tokenizer.bos_token_id,

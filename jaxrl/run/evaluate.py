@@ -49,9 +49,12 @@ from jaxrl.config import EvalSection
 from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
 from jaxrl.rollout import Rollout, Sampler, SamplerConfig
+from jaxrl.rollout.multiturn import rollout_multiturn
+from jaxrl.run.episodes import RowView
 from jaxrl.run.run_dir import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
+from jaxrl.step.multiturn import Episodes, MultiTurnStep, canonical_rollout
 from jaxrl.step.phases import reward_inputs
 
 if TYPE_CHECKING:
@@ -114,6 +117,13 @@ class Evaluator:
                                           run.cfg.rollout.stop_token_ids))
         self.sampler = _sampler(run.step.sampler.graphdef, config, run.mesh,
                                 run.layout.rollout_rules)
+        self._episodes = None
+        if isinstance(run.step, MultiTurnStep):  # the same environments, on held-out rows
+            episodes = run.step.episodes
+            slots = min(episodes.config.num_slots, cfg.batch_size * n)
+            self._episodes = dataclasses.replace(
+                episodes, rows=RowView(rows),
+                config=dataclasses.replace(episodes.config, num_slots=slots))
 
         def score(rollout: Rollout, fields_B: dict[str, jax.Array], rows_B: jax.Array):
             return rewards.score(reward_inputs(rollout, fields_B, rows_B, n))[0]
@@ -130,6 +140,11 @@ class Evaluator:
             self._total = jax.jit(lambda inputs, host_values: rewards.score(
                 inputs, host_values)[0], out_shardings=replicated)
             self._host_rows = functools.partial(score_host_rows, rewards, mesh=run.mesh)
+
+    def _multiturn(self, params, prompts_B, rows_B, keys_B) -> Rollout:
+        return _multiturn_rollout(self.sampler.graphdef, self._episodes,
+                                  self.cfg.sampling_params(), params, prompts_B, rows_B, keys_B,
+                                  self.cfg.num_samples)
 
     @property
     def num_prompts(self) -> int:
@@ -150,7 +165,10 @@ class Evaluator:
             fields = {c: [values[i] for i in take_B] for c, values in self.prompts.fields.items()}
             prompts_B, fields_B, rows_B = self.placement.place_rows(
                 ids_NxP[take_B], mask_NxP[take_B], rows_N[take_B], fields)
-            rollout = self.sampler.generate(params, prompts_B, _prompt_keys(key, take_B))
+            if self._episodes is None:
+                rollout = self.sampler.generate(params, prompts_B, _prompt_keys(key, take_B))
+            else:
+                rollout = self._multiturn(params, prompts_B, rows_B, _prompt_keys(key, take_B))
             if self._host_rows is None:
                 total = self._score(rollout, fields_B, rows_B)
             else:
@@ -165,6 +183,21 @@ class Evaluator:
                 **{f"eval/pass@{k}": float(pass_at_k(c_N, n, k).mean()) for k in self.cfg.k},
                 "eval/num_prompts": float(num),
                 "eval/num_samples": float(n)}
+
+
+def _multiturn_rollout(graphdef: nnx.GraphDef, episodes: Episodes, sampling, params,
+                       prompts_B, rows_B, keys_B, n: int) -> Rollout:
+    """n multi-turn samples of each prompt (`jaxrl.rollout.multiturn`), as the train step
+    makes them, with the evaluation's sampling."""
+    model = nnx.merge(graphdef, params)
+    ids_BxP, mask_BxP = (np.repeat(np.asarray(x), n, axis=0) for x in prompts_B)
+    envs = [episodes.make_env(episodes.rows[int(r)]) for r in np.repeat(np.asarray(rows_B), n)]
+    out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, episodes.encode, episodes.decode,
+                            keys_B, episodes.config, sampling, num_generations=n)
+    r = out.rollout
+    return canonical_rollout(prompts_B, n, r.completion_ids_BxC, r.completion_mask_BxC,
+                             r.logp_BxC, r.logp_raw_BxC, r.num_steps, r.decode_slot_steps,
+                             out.observation_mask_BxC)
 
 
 def append_eval(run_dir: Path, step: int | None, metrics: dict[str, float]) -> Path:

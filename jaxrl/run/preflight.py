@@ -46,6 +46,7 @@ from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
 from jaxrl.step.clock import phase_times
+from jaxrl.step.multiturn import MultiTurnStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,10 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         console.print(f"[yellow]memory[/]: the fit was not checked: {why}")
 
     accounting, count_s = None, 0.0
-    if cfg.perf.count_flops:
+    if cfg.perf.count_flops and isinstance(run.step, MultiTurnStep):
+        console.print("[yellow]flops[/]: not counted for multi-turn rollouts (the host drives "
+                      "the decode steps): no perf/mfu")
+    elif cfg.perf.count_flops:
         start = time.perf_counter()
         with console.status("counting FLOPs of the phase programs..."):
             accounting = account_step(

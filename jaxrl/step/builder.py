@@ -259,8 +259,9 @@ class Step:
             rewards_B, shaping_metrics = shape_rewards(self.cfg, rewards_B,
                                                        rollout.completion_mask_BxC)
             metrics.update(shaping_metrics)
+            # Observation tokens of a multi-turn rollout are attended over, never trained on.
             adv_B, loss_mask_BxC, adv_metrics = advantages(
-                self.cfg, rewards_B, rollout.completion_mask_BxC, g)
+                self.cfg, rewards_B, rollout.model_token_mask(), g)
             metrics.update(adv_metrics)
             metrics.update(completion_metrics(rollout, self.sampler.config.stop_token_ids))
             batch = train_batch(rollout, adv_B, loss_mask_BxC)

@@ -11,7 +11,8 @@ GSM8K = dict(task="gsm8k", source="openai/gsm8k", subset="main")
 
 
 def test_task_names():
-    assert typing.get_args(TaskName) == ("addition", "gsm8k", "math", "custom")
+    assert typing.get_args(TaskName) == ("addition", "tool_multiplication", "gsm8k", "math",
+                                         "custom")
     with pytest.raises(ValueError, match="unknown task 'sudoku'") as info:
         DataSection(task="sudoku")
     for name in typing.get_args(TaskName):

@@ -150,3 +150,14 @@ def test_tool_schema_for_chat_templates():
                      "parameters": {"type": "object",
                                     "properties": {"expression": {"type": "string"}},
                                     "required": ["expression"]}}}
+
+
+def test_results_are_cut_to_max_result_chars():
+    env = ToolEnv([Calculator()], TagsFormat(), max_result_chars=8)
+    assert env.step("<call>1234*5678</call>").text == "<result>7006652</result>"
+    cut = env.step("<call>12**</call>")
+    assert cut.text == "<result>error: i</result>" and cut.tools.errors == 1
+    whole = ToolEnv([Calculator()], TagsFormat()).step("<call>12**</call>")
+    assert whole.text.startswith("<result>error: invalid syntax") and len(whole.text) > 30
+    with pytest.raises(ValueError, match="max_result_chars must be >= 1"):
+        ToolsConfig(max_result_chars=0)

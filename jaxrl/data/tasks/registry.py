@@ -5,6 +5,8 @@
     math      MATH-style problems, gold the last \\boxed{} of the answer column or the column
               whole, math-verify correctness (competition_math.py)
     custom    prompts verbatim, your reward function `data.reward_fn` (custom.py)
+    tool_multiplication   products of two numbers with a calculator tool (multi-turn), host
+              rewards for the answer and the call (tool_multiplication.py)
 
 The dataset tasks (all but addition) read and check their rows with dataset.py. Their rewards
 all run on the host:
@@ -35,6 +37,7 @@ from jaxrl.data.tasks import competition_math, custom, formats, gsm8k
 from jaxrl.data.tasks.addition import AdditionTask, addition_reward, make_addition_tokenizer
 from jaxrl.data.tasks.dataset import dataset_task
 from jaxrl.data.tasks.task import Task
+from jaxrl.data.tasks.tool_multiplication import tool_multiplication_task
 from jaxrl.rl.rewards import JaxReward, PythonReward
 
 __all__ = ["Task", "addition_task", "make_task"]
@@ -50,6 +53,8 @@ def make_task(config: DataSection, *, seed: int) -> Task:
     """The task `config.task` with its options (module docstring); `seed` draws synthetic rows."""
     if config.task == "addition":
         return addition_task(config.num_digits, config.num_prompts, seed)
+    if config.task == "tool_multiplication":
+        return tool_multiplication_task(config.num_digits, config.num_prompts, seed)
     rewards = _dataset_rewards(config)
     if config.task == "custom":
         return dataset_task(config, render=custom.render_prompt, carry_answer=False, gold=None,

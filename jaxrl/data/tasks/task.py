@@ -44,6 +44,7 @@ class Task:
     tokenizer: Callable[[], PreTrainedTokenizerBase] | None = None
     eval_rows: Callable[[int, int], datasets.Dataset] | None = None
     difficulty_column: str | None = None
+    env: str | None = None  # its own multi-turn environment (`jaxrl.envs` name), if any
 
     def reward_set(self, tokenizer: PreTrainedTokenizerBase,
                    rows: datasets.Dataset) -> RewardSet:

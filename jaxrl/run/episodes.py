@@ -1,0 +1,140 @@
+"""A multi-turn run's pieces from its config: the environment of each sample, the turn limits.
+
+    spec = env_spec(cfg, task)                    data.env, else the task's own; None: one turn
+    algo = multiturn_algo(cfg, spec, console)     split mode (the host runs the environments)
+    episodes = make_episodes(cfg, spec, task, tokenizer, eos_ids)
+
+A turn ends at an EOS id, at `rollout.stop_token_ids`, or at an end tag of the tool format
+(`</call>`, Qwen's `</tool_call>`, Llama's `<|eom_id|>`), which must each be one token of
+the tokenizer: the rollout stops a slot on a token id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from rich.console import Console
+from transformers import PreTrainedTokenizerBase
+
+from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.config.algo import AlgoSection
+from jaxrl.data.tasks.task import Task
+from jaxrl.data.tokenizer import pad_token_id
+from jaxrl.envs.registry import make_env_factory
+from jaxrl.envs.tool_calls import format_for, make_format
+from jaxrl.envs.tool_env import ToolsConfig
+from jaxrl.rl.rewards import JaxReward
+from jaxrl.rollout.multiturn import MultiTurnConfig
+from jaxrl.step.multiturn import Episodes, env_reward
+
+TOOLS_ENV = "tools"
+
+
+def env_spec(cfg: ExperimentConfig, task: Task) -> str | None:
+    """The environment of the run: `data.env`, else the task's own; None: single-turn. A
+    `rollout.max_turns` above 1 without one is a ConfigError."""
+    spec = cfg.data.env or task.env
+    if spec is None and cfg.rollout.max_turns > 1:
+        raise ConfigError(f"rollout.max_turns={cfg.rollout.max_turns} needs an environment to "
+                          f"answer the turns: set data.env (a registered name like "
+                          f"{TOOLS_ENV!r}, or \"module:attribute\"); data.task={task.name} has "
+                          f"none of its own")
+    return spec
+
+
+def multiturn_algo(cfg: ExperimentConfig, spec: str, console: Console) -> AlgoSection:
+    """`cfg.algo` for a multi-turn run: fused becomes split (with a note); async, PPO's
+    critic and several processes are refused (ConfigError)."""
+    algo = cfg.algo
+    why = f"multi-turn rollouts (environment {spec!r})"
+    if algo.mode == "async":
+        raise ConfigError(f"{why} run in algo.mode=split (the host answers the turns between "
+                          f"programs); got algo.mode=async")
+    if algo.advantage == "gae":
+        raise ConfigError(f"{why} are trained with group advantages (grpo, rloo, dr_grpo); "
+                          f"algo.advantage=gae would need values on observation tokens")
+    if jax.process_count() > 1:
+        raise ConfigError(f"{why} run in one process for now; this run has "
+                          f"{jax.process_count()}")
+    if algo.mode == "fused":
+        console.print(f"[bold]algo.mode[/]: split ({why}: the host runs the environments "
+                      f"between turns, which one compiled program cannot; same updates)")
+        algo = dataclasses.replace(algo, mode="split")
+    return algo
+
+
+def tools_config(cfg: ExperimentConfig) -> ToolsConfig:
+    t = cfg.data.tools
+    return ToolsConfig(tools=tuple(t.names), format=t.format,
+                       max_calls_per_turn=t.max_calls_per_turn,
+                       python_timeout_s=t.python_timeout_s, python_memory_mb=t.python_memory_mb,
+                       python_max_output_bytes=t.python_max_output_bytes,
+                       max_result_chars=t.max_result_chars)
+
+
+def end_tag_ids(spec: str, tools: ToolsConfig, tokenizer: PreTrainedTokenizerBase
+                ) -> tuple[int, ...]:
+    """The token ids of the tool format's end tags (none for an environment of the user's)."""
+    if spec != TOOLS_ENV:
+        return ()
+    fmt = format_for(tokenizer) if tools.format == "auto" else make_format(tools.format)
+    ids = []
+    for tag in fmt.end_tags:
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ConfigError(f"the tool call format's end tag {tag!r} is {len(encoded)} tokens "
+                              f"of this tokenizer ({encoded}); a turn stops on one token: choose "
+                              f"data.tools.format for the model's chat template, or add the tag "
+                              f"to the tokenizer as a token")
+        ids.append(encoded[0])
+    return tuple(ids)
+
+
+def env_rewards(spec: str, task: Task) -> list[JaxReward]:
+    """The environment's own reward as the JAX reward "env" for an environment named by
+    `data.env` other than the tool environment (tools give no reward); none otherwise."""
+    if spec == TOOLS_ENV or spec == task.env:
+        return []
+    return [JaxReward("env", env_reward)]
+
+
+def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
+                  tokenizer: PreTrainedTokenizerBase, eos_ids: tuple[int, ...]) -> Episodes:
+    """The environments and turn limits of the run's multi-turn rollout."""
+    tools = tools_config(cfg)
+    try:
+        make_env = make_env_factory(spec, tools, tokenizer)
+    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        raise ConfigError(f"data.env={spec!r}: {e}") from None
+    r = cfg.rollout
+    b = cfg.data.batch_size * r.num_generations
+    stops = (*end_tag_ids(spec, tools, tokenizer), *r.stop_token_ids)
+    config = MultiTurnConfig(
+        max_turns=r.max_turns, max_total_tokens=r.completion_budget,
+        max_turn_tokens=r.max_new_tokens, num_slots=min(r.max_slots or b, b),
+        page_size=r.page_size, stop_token_ids=tuple(dict.fromkeys(stops)),
+        eos_token_ids=() if r.ignore_eos else tuple(eos_ids),
+        pad_token_id=pad_token_id(tokenizer))
+    rows = task.train_rows
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return Episodes(make_env, RowView(rows), encode, decode, config)
+
+
+class RowView:
+    """Dataset rows by index, each a plain dict (what an environment factory receives)."""
+
+    def __init__(self, rows):
+        self._rows = rows
+
+    def __getitem__(self, i: int) -> dict:
+        return dict(self._rows[int(i)])
+
+    def __len__(self) -> int:
+        return len(self._rows)

@@ -1,0 +1,175 @@
+"""The RL step of a multi-turn task: split mode with the host between the policy's turns.
+
+    step = MultiTurnStep(cfg, graphdef, sampler, rewards, episodes=Episodes(...), ...)
+    state, out = step(state, prompts, fields_P, rows_P, key)      # as `Step`
+
+    (1) rollout   on the host, `jaxrl.rollout.multiturn`: every sample's episode, its
+                  environment (`Episodes.make_env` of its dataset row) answering each turn
+                  in a worker thread; observation tokens are prefilled into the sample's
+                  own KV pages, never the history again
+    (2) rewards   the task's Python rewards on the decoded trajectory (observations
+                  included: a reward can read a tool's result), plus the environment's
+                  own reward as the JAX reward "env" where the run adds it
+    (3) train     split mode's train program, unchanged: observation tokens are attended
+                  over but out of the loss (`Rollout.observation_mask_BxC`), so their
+                  gradient is exactly zero and the sampler/trainer log-prob comparison
+                  covers the policy's tokens only
+
+Why not the fused one-program step: an environment's answer is needed in the middle of the
+decode loop, once per turn and sample, at times that differ by slot. Inside one program that
+is a host callback per decode iteration (`jax.experimental.io_callback`), which serialises
+the device with the host at every token and cannot run an environment while other slots
+decode; the host loop can, so multi-turn runs in split mode (`algo.mode: split`).
+
+Metrics added to each step (host values): `turns/mean`, `tool/calls_per_sample`,
+`tool/errors`, `tool/timeouts` (per sample), `tool/latency_s` (mean seconds per call),
+`env/time_s` (seconds in environments, summed over calls), `env/wait_s` (seconds the decode
+loop had no slot to run because every busy one waited on its environment),
+`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.envs.base import EnvFactory
+from jaxrl.rl import RewardSet
+from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.rollout.multiturn import MultiTurnConfig, MultiTurnRollout, rollout_multiturn
+from jaxrl.step.builder import Step, StepOutput, score_host_rows
+from jaxrl.step.phases import reward_inputs
+
+ENV_REWARD_FIELD = "env_reward"
+
+
+@dataclasses.dataclass(frozen=True)
+class Episodes:
+    """What the host loop needs besides the policy: each row's environment, text <-> ids, and
+    the turn limits. `rows` are the task's dataset rows (`rows_P` index them)."""
+
+    make_env: EnvFactory
+    rows: Sequence[dict[str, Any]]
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    config: MultiTurnConfig
+
+
+def env_reward(inputs) -> jax.Array:
+    """The environment's reward of each sample (0 where it gave none): the "env" JAX reward."""
+    return jnp.nan_to_num(inputs.fields[ENV_REWARD_FIELD], nan=0.0)
+
+
+def turn_metrics(out: MultiTurnRollout) -> dict[str, float]:
+    """The host metrics of one multi-turn rollout (module docstring)."""
+    calls = float(out.tool_calls_B.sum())
+    return {
+        "turns/mean": float(out.num_turns_B.mean()),
+        "tool/calls_per_sample": float(out.tool_calls_B.mean()),
+        "tool/errors": float(out.tool_errors_B.mean()),
+        "tool/timeouts": float(out.tool_timeouts_B.mean()),
+        "tool/latency_s": float(out.tool_latency_s_B.sum()) / calls if calls else 0.0,
+        "env/time_s": out.env_time_s,
+        "env/wait_s": out.env_wait_s,
+        "rollout/truncated_frac": float(out.truncated_B.mean()),
+        "time/rollout_s": out.wall_s,
+    }
+
+
+class MultiTurnStep(Step):
+    """`Step` whose rollout is the host's multi-turn loop (module docstring); split mode."""
+
+    def __init__(self, cfg, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet, *,
+                 episodes: Episodes, **kwargs):
+        if cfg.mode != "split":
+            raise ValueError(f"a multi-turn step runs in algo.mode=split, got {cfg.mode}")
+        self.episodes = episodes
+        self.env_rewards = any(r.name == "env" for r in rewards.rewards)
+        super().__init__(cfg, graphdef, sampler, rewards, **kwargs)
+        self.last_rollout: MultiTurnRollout | None = None
+
+    def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
+                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
+                 ) -> tuple[nnx.State, StepOutput]:
+        rollout, inputs, host_values, metrics = self.rollout(state, prompts, fields_P, rows_P,
+                                                             key)
+        train = self._compiled.get("train")
+        if train is None:
+            train = self._train
+        else:  # the host-made arrays, laid out as the program compiled ahead expects them
+            shardings = train.input_shardings[0]
+            rollout, inputs, host_values = jax.device_put((rollout, inputs, host_values),
+                                                          tuple(shardings[1:4]))
+        new_state, out = train(state, rollout, inputs, host_values, ref_params)
+        out.metrics.update({k: jnp.float32(v) for k, v in metrics.items()})
+        return new_state, out
+
+    def rollout(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
+                rows_P: jax.Array, key: jax.Array) -> tuple[Any, Any, Any, dict[str, float]]:
+        """Phases (1) and (2): the train program's (rollout, reward inputs, host values) and
+        the host metrics."""
+        g, e = self.sampler.config.num_generations, self.episodes
+        model = nnx.merge(self.graphdef, state).model
+        rows_B = np.repeat(np.asarray(rows_P), g)
+        envs = [e.make_env(e.rows[int(r)]) for r in rows_B]
+        ids_BxP, mask_BxP = (np.repeat(np.asarray(x), g, axis=0) for x in prompts)
+        out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, e.encode,
+                                e.decode, key, e.config, self.sampler.config.sampling,
+                                num_generations=g)
+        self.last_rollout = out
+        r = out.rollout
+        rollout = canonical_rollout(prompts, g, r.completion_ids_BxC, r.completion_mask_BxC,
+                                    r.logp_BxC, r.logp_raw_BxC, r.num_steps,
+                                    r.decode_slot_steps, out.observation_mask_BxC)
+        inputs = reward_inputs(rollout, fields_P, rows_P, g)
+        if self.env_rewards:  # per sample already: not repeated per prompt
+            inputs.fields[ENV_REWARD_FIELD] = jnp.asarray(out.reward_B, jnp.float32)
+        host_values = (score_host_rows(self.rewards, inputs, self.mesh)
+                       if self.rewards.python_rewards else None)
+        return rollout, inputs, host_values, turn_metrics(out)
+
+    def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
+                rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
+                ) -> dict[str, Any]:
+        """{"train": the train program}, compiled for the rollout's shapes; the rollout's
+        own operations compile on their first call."""
+        b = prompts.ids_BxP.shape[0] * self.sampler.config.num_generations
+        c = self.episodes.config.max_total_tokens
+        outputs = jax.eval_shape(functools.partial(self._abstract_outputs, b=b, c=c), prompts,
+                                 fields_P, rows_P)
+        self._compiled = {"train": self.compile_train(state, outputs, ref_params)}
+        return dict(self._compiled)
+
+    def _abstract_outputs(self, prompts, fields_P, rows_P, *, b, c):
+        """The (rollout, reward inputs) the train program receives, for eval_shape."""
+        g = self.sampler.config.num_generations
+        zeros_BxC = jnp.zeros((b, c), jnp.int32)
+        rollout = canonical_rollout(prompts, g, zeros_BxC, zeros_BxC, zeros_BxC, zeros_BxC, 0,
+                                    0, zeros_BxC)
+        inputs = reward_inputs(rollout, fields_P, rows_P, g)
+        if self.env_rewards:
+            inputs.fields[ENV_REWARD_FIELD] = jnp.zeros((b,), jnp.float32)
+        return rollout, inputs
+
+
+def canonical_rollout(prompts: Prompts, group_size: int, completion_ids_BxC, completion_mask_BxC,
+                      logp_BxC, logp_raw_BxC, num_steps, decode_slot_steps,
+                      observation_mask_BxC) -> Rollout:
+    """The multi-turn rollout as the train program takes it, in fixed dtypes (the program is
+    compiled ahead from these shapes): the prompts repeated G times, prompt-major."""
+    def rows(x):
+        return jnp.repeat(jnp.asarray(x), group_size, axis=0)
+
+    return Rollout(
+        rows(prompts.ids_BxP), rows(prompts.mask_BxP),
+        jnp.asarray(completion_ids_BxC, jnp.int32), jnp.asarray(completion_mask_BxC, jnp.int32),
+        jnp.asarray(logp_BxC, jnp.float32), jnp.asarray(logp_raw_BxC, jnp.float32),
+        jnp.asarray(num_steps, jnp.int32), jnp.asarray(decode_slot_steps, jnp.int32),
+        observation_mask_BxC=jnp.asarray(observation_mask_BxC, jnp.int32))

@@ -1,0 +1,82 @@
+"""A multi-turn run through the CLI (`configs/tool_multiplication.yaml`, shrunk): episodes with
+the calculator, their metrics, evaluation through the same episodes; and the configs a
+multi-turn run refuses, each exiting with status 2 and naming the problem."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrl.cli import EXIT_CONFIG_ERROR, main
+from jaxrl.data.tasks.tool_multiplication import answer_reward, tool_call_reward
+from jaxrl.run.metrics_log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = str(ROOT / "configs" / "tool_multiplication.yaml")
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+SMALL = ["data.batch_size=4", "rollout.num_generations=4", "algo.num_minibatches=2",
+         "log.tensorboard=false", "log.plot=false", "perf.count_flops=false"]
+TURN_METRICS = ("turns/mean", "tool/calls_per_sample", "tool/errors", "tool/timeouts",
+                "tool/latency_s", "env/time_s", "env/wait_s", "rollout/truncated_frac",
+                "time/rollout_s")
+
+
+def test_tool_task_runs_episodes_and_evaluates_them(tmp_path, capsys):
+    code = main(["train", TOOL, f"train.run_dir={tmp_path}", "train.max_steps=2",
+                 "eval.num_prompts=6", "eval.batch_size=4", *SMALL])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "algo.mode" not in out.out + out.err  # the config is split already: no switch note
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:
+        for name in TURN_METRICS:
+            assert name in record, name
+        assert 1 <= record["turns/mean"] <= 3
+        assert record["tool/errors"] <= record["tool/calls_per_sample"]
+        assert 0 <= record["reward/answer"] <= 1 and 0 <= record["reward/tool_call"] <= 1
+    summary = json.loads(out.out.strip().splitlines()[-1])
+    assert summary["step_compilations"] == 1 and summary["eval/num_prompts"] == 6
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == 2 and 0 <= evals[-1]["eval/reward_mean"] <= 1
+
+
+def test_a_fused_multiturn_config_is_switched_to_split(tmp_path, capsys):
+    code = main(["train", TOOL, f"train.run_dir={tmp_path}", "train.max_steps=1",
+                 "eval.num_prompts=0", "algo.mode=fused", "train.save_final=false", *SMALL])
+    assert code == 0
+    assert "algo.mode: split (multi-turn rollouts" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("config, overrides, words", [
+    (QUICKSTART, ["rollout.max_turns=2"], ["rollout.max_turns=2", "data.env", "addition"]),
+    (QUICKSTART, ["data.env=nope"], ["data.env='nope'", "unknown environment", "tools"]),
+    (QUICKSTART, ["data.env=no_such_module:build"], ["no_such_module", "does not import"]),
+    (TOOL, ["algo.advantage=gae"], ["algo.advantage=gae", "observation"]),
+    (TOOL, ["data.tools.format=hermes"], ["'</tool_call>'", "tokens of this tokenizer"]),
+    (TOOL, ["rollout.max_total_tokens=4"], ["rollout.max_total_tokens", "12"]),
+    (TOOL, ["data.tools.names=[calculator,perl]"], ["data.tools.names", "perl"]),
+])
+def test_bad_multiturn_configs_exit_2_naming_the_problem(config, overrides, words, tmp_path,
+                                                         capsys):
+    code = main(["train", config, f"train.run_dir={tmp_path}", "train.max_steps=1", *SMALL,
+                 *overrides])
+    assert code == EXIT_CONFIG_ERROR
+    text = " ".join(capsys.readouterr().err.split())
+    for word in words:
+        assert word in text, (word, text)
+
+
+def test_tool_task_rewards_by_hand():
+    fields = {"expression": "4821*7306", "answer": "35222226"}
+    right = "<call>4821*7306</call><result>35222226</result>35222226"
+    assert answer_reward("", right, fields) == 1 and tool_call_reward("", right, fields) == 1
+    # One wrong digit of the call (10 of 11 positions), and an answer one digit short
+    # (7 of 8 digits right, the length wrong: 7 of 9).
+    partial = "<call>4821*7307</call><result>35222226</result>3522222"
+    assert tool_call_reward("", partial, fields) == pytest.approx(10 / 11)
+    assert answer_reward("", partial, fields) == pytest.approx(7 / 9)
+    # No call: the whole completion is the answer; a call never closed earns its prefix only.
+    assert tool_call_reward("", "35222226", fields) == 0
+    assert answer_reward("", "35222226", fields) == 1
+    assert tool_call_reward("", "<call>4821*73", fields) == pytest.approx(8 / 11)

@@ -1,0 +1,134 @@
+"""The multi-turn step: observation tokens are out of the loss (their gradient is exactly
+zero), and `MultiTurnStep` runs episodes against an environment with its turn and tool
+metrics, compiling its train program once."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.config import AlgoSection, OptimSection
+from jaxrl.envs.base import Observation, ToolStats
+from jaxrl.models import Transformer
+from jaxrl.rl import JaxReward, PolicyLossConfig, RewardSet
+from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
+from jaxrl.rollout.multiturn import MultiTurnConfig
+from jaxrl.sharding import load_layout, make_mesh
+from jaxrl.step import create_train_state
+from jaxrl.step.builder import build_step
+from jaxrl.step.multiturn import Episodes, MultiTurnStep
+from jaxrl.step.phases import reward_inputs
+from tests.conftest import make_tiny_config
+
+CONFIG = make_tiny_config("qwen2")
+P, G, PROMPT_LEN, C = 4, 4, 5, 8
+MODEL_COLS = 5  # completion columns 0-4: the policy's turn; 5-7: the final observation
+OPTIM = OptimSection(lr=1e-2, eps=1e-3, max_grad_norm=1.0)
+ALGO = AlgoSection(mode="split", num_minibatches=2, loss=PolicyLossConfig(beta=0.0))
+
+
+def _turn_reward(inputs):
+    """Small ids among the turn's columns only: the same for any observation tokens."""
+    ids = inputs.completion_ids_BxC[:, :MODEL_COLS]
+    return jnp.mean((ids < CONFIG.vocab_size // 3).astype(jnp.float32), axis=1)
+
+
+REWARDS = RewardSet([JaxReward("turn", _turn_reward)])
+
+
+def _train_state():
+    layout = load_layout("single")
+    return create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
+                              make_mesh(layout, jax.devices()[:1]), layout.train_rules)
+
+
+def _rollout(observation_ids, observation_mask: bool) -> tuple[Rollout, Prompts]:
+    rng = np.random.default_rng(0)
+    b = P * G
+    prompts = Prompts(jnp.asarray(rng.integers(6, CONFIG.vocab_size, (P, PROMPT_LEN)), jnp.int32),
+                      jnp.ones((P, PROMPT_LEN), jnp.int32))
+    turn = rng.integers(6, CONFIG.vocab_size, (b, MODEL_COLS))
+    ids = np.concatenate([turn, np.broadcast_to(observation_ids, (b, C - MODEL_COLS))], 1)
+    obs = (np.arange(C) >= MODEL_COLS)[None].repeat(b, 0).astype(np.int32)
+    logp = np.where(obs, 0.0, -1.5).astype(np.float32)
+    rollout = Rollout(jnp.repeat(prompts.ids_BxP, G, 0), jnp.repeat(prompts.mask_BxP, G, 0),
+                      jnp.asarray(ids, jnp.int32), jnp.ones((b, C), jnp.int32),
+                      jnp.asarray(logp), jnp.asarray(logp), jnp.int32(C), jnp.int32(0),
+                      observation_mask_BxC=jnp.asarray(obs) if observation_mask else None)
+    return rollout, prompts
+
+
+def _params_after_update(observation_ids, observation_mask=True):
+    ts = _train_state()
+    sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=C, num_generations=G))
+    graphdef, state = nnx.split(ts)
+    step = build_step(ALGO, graphdef, sampler, REWARDS, optim=OPTIM)
+    rollout, prompts = _rollout(observation_ids, observation_mask)
+    inputs = reward_inputs(rollout, {}, jnp.arange(P, dtype=jnp.int32), G)
+    state, out = step._train(state, rollout, inputs, None, None)
+    ts = nnx.merge(graphdef, state)
+    return (jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(ts.model, nnx.Param))),
+            jax.device_get(out.metrics))
+
+
+def test_observation_tokens_have_exactly_zero_gradient():
+    """The observation sits at the end, so its tokens change nothing the turn's tokens see:
+    with the observation mask, two different observations give bit-identical updates;
+    without it they are trained on and the updates differ (so the check can fail)."""
+    a, metrics_a = _params_after_update([7, 8, 9])
+    b, metrics_b = _params_after_update([20, 21, 22])
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert metrics_a["loss/policy"] == metrics_b["loss/policy"]
+    assert metrics_a["grad_norm"] > 0
+    c, _ = _params_after_update([7, 8, 9], observation_mask=False)
+    d, _ = _params_after_update([20, 21, 22], observation_mask=False)
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(d),
+                                                          strict=True))
+
+
+class _CountingEnv:
+    """Answers every turn with two observation tokens and one tool call; done after two."""
+
+    def __init__(self, row):
+        self.turns = 0
+
+    def step(self, turn: str) -> Observation:
+        self.turns += 1
+        if self.turns >= 2:
+            return Observation(done=True)
+        return Observation(ids=[7, 8], tools=ToolStats(calls=1, latency_s=0.01))
+
+
+def test_multiturn_step_runs_episodes_with_turn_and_tool_metrics():
+    ts = _train_state()
+    stop = 5  # every turn ends at token 5 (kept) or after 6 tokens
+    sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=6, num_generations=G))
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=16, max_turn_tokens=6, num_slots=8,
+                             stop_token_ids=(stop,), eos_token_ids=(2,))
+    episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
+                        lambda ids: " ".join(map(str, ids)), config)
+    graphdef, state = nnx.split(ts)
+    step = MultiTurnStep(dataclasses.replace(ALGO), graphdef, sampler, REWARDS, optim=OPTIM,
+                         episodes=episodes)
+    rng = np.random.default_rng(1)
+    prompts = Prompts(jnp.asarray(rng.integers(6, CONFIG.vocab_size, (P, PROMPT_LEN)), jnp.int32),
+                      jnp.ones((P, PROMPT_LEN), jnp.int32))
+    args = (prompts, {}, jnp.arange(P, dtype=jnp.int32))
+    step.compile(state, *args, jax.random.key(0))
+    for i in range(2):
+        state, out = step(state, *args, jax.random.key(i))
+        metrics = jax.device_get(out.metrics)
+        made = step.last_rollout
+        # Rows that ended their first turn before the budget got the two observation tokens.
+        obs_per_row = made.observation_mask_BxC.sum(1)
+        assert set(obs_per_row.tolist()) <= {0, 2} and obs_per_row.max() == 2
+        ids = np.asarray(made.rollout.completion_ids_BxC)
+        assert np.all(ids[made.observation_mask_BxC.astype(bool)] % 7 < 2)  # 7 or 8
+        assert metrics["turns/mean"] == made.num_turns_B.mean() and 1 <= metrics["turns/mean"] <= 2
+        assert metrics["tool/calls_per_sample"] == made.tool_calls_B.mean() > 0
+        assert abs(metrics["tool/latency_s"] - 0.01) < 1e-6
+        for name in ("tool/errors", "tool/timeouts", "env/time_s", "env/wait_s"):
+            assert name in metrics
+    assert step.num_compilations() == 1
