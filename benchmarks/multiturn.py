@@ -24,7 +24,6 @@ Prints one JSON line per way: milliseconds per decode iteration and the ratio to
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -98,7 +97,7 @@ def main() -> None:
 
     ways = {"in_program": in_program, "callback": callback, "host_loop": host_loop}
     times: dict[str, list[float]] = {name: [] for name in ways}
-    for name, fn in ways.items():  # compile and warm up
+    for fn in ways.values():  # compile and warm up
         jax.block_until_ready(fn(weights, fresh_state()))
     for _ in range(args.rounds):
         for name, fn in ways.items():
