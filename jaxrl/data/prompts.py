@@ -77,6 +77,7 @@ class PromptSource:
     max_prompt_len: int = 256
     batch_size: int = 8  # prompts per step
     seed: int = 0
+    tools: tuple[dict[str, Any], ...] | None = None  # function schemas for the chat template
 
     def __post_init__(self):
         if isinstance(self.field_columns, str):
@@ -112,7 +113,7 @@ class PromptSource:
                 raise TypeError(f"prompt column {self.prompt_column!r} must hold strings; "
                                 f"row {row} holds {type(text).__name__}: {text!r}")
         ids_NxP, mask_NxP, lengths = _tokenize(tokenizer, texts, self.chat_template,
-                                               self.max_prompt_len)
+                                               self.max_prompt_len, self.tools)
         kept_N = np.flatnonzero(lengths <= self.max_prompt_len)
         num_dropped = len(texts) - len(kept_N)
         if len(kept_N) == 0:
@@ -132,13 +133,14 @@ class PromptSource:
 
 
 def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chat_template: bool,
-              max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              max_len: int, tools: tuple[dict[str, Any], ...] | None = None,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids_KxP, mask_KxP) of the K prompts that fit in P=max_len, and every prompt's length."""
     pad = pad_token_id(tokenizer)
     ids_parts, mask_parts, length_parts = [], [], []
     for start in range(0, len(texts), _CHUNK):
         ids_CxL, mask_CxL = encode_prompts(tokenizer, texts[start:start + _CHUNK],
-                                           chat_template=chat_template)
+                                           chat_template=chat_template, tools=tools)
         lengths_C = mask_CxL.sum(axis=1)
         keep_C = lengths_C <= max_len
         # Left padding puts every prompt's tokens at the right edge: the kept prompts lie

@@ -57,20 +57,25 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return 0
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> str:
-    """One user turn through the chat template (when asked for and present), else the text."""
+def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool,
+                  tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """One user turn through the chat template (when asked for and present), else the text.
+    `tools` (function schemas) go to the template, which describes them the way the model
+    was trained to read (a multi-turn run's tools, `jaxrl.envs.tools.tool_schema`)."""
     if chat_template and tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             tools=list(tools) if tools else None,
                                              add_generation_prompt=True, tokenize=False)
     return text
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *,
-                   chat_template: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                   chat_template: bool = True, tools: Sequence[dict[str, Any]] | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """(ids_BxP int32, mask_BxP bool), left-padded to the longest prompt."""
     if not texts:
         raise ValueError("no prompts given")
-    rendered = [render_prompt(tokenizer, t, chat_template) for t in texts]
+    rendered = [render_prompt(tokenizer, t, chat_template, tools) for t in texts]
     # A chat template already places BOS and friends; plain text gets the usual specials.
     add_special = not (chat_template and tokenizer.chat_template)
     encoded = [tokenizer.encode(t, add_special_tokens=add_special) for t in rendered]

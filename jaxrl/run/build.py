@@ -46,7 +46,13 @@ from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrai
 from jaxrl.models.layers import INIT_STD
 from jaxrl.perf import device_memory, format_bytes
 from jaxrl.rollout import Sampler, SamplerConfig
-from jaxrl.run.episodes import env_rewards, env_spec, make_episodes, multiturn_algo
+from jaxrl.run.episodes import (
+    env_rewards,
+    env_spec,
+    make_episodes,
+    multiturn_algo,
+    prompt_tools,
+)
 from jaxrl.run.placement import Placed, Placement
 from jaxrl.run.run_dir import INIT_MODEL_DIR
 from jaxrl.sharding import Layout, create_sharded, make_mesh, resolve_layout
@@ -170,11 +176,13 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                           "tis without tis_cap): stale batches are trained as if on-policy; "
                           "set algo.loss.tis_cap (e.g. 2.0) or algo.loss.correction=decoupled")
 
+    spec = env_spec(cfg, task)  # multi-turn: the environment answering the turns
     try:
         batches = PromptSource(
             task.train_rows, prompt_column="prompt", field_columns=task.field_columns,
             chat_template=cfg.data.chat_template, max_prompt_len=cfg.data.max_prompt_len,
-            batch_size=cfg.data.batch_size, seed=cfg.train.seed).build(tokenizer)
+            batch_size=cfg.data.batch_size, seed=cfg.train.seed,
+            tools=prompt_tools(cfg, spec)).build(tokenizer)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
     try:
@@ -199,7 +207,6 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                   f"{stats.longest} tokens)")
 
     rewards = task.reward_set(tokenizer, task.train_rows)
-    spec = env_spec(cfg, task)  # multi-turn: the environment answering the turns
     if spec is not None:
         rewards = dataclasses.replace(rewards, rewards=[*rewards.rewards,
                                                         *env_rewards(spec, task)])

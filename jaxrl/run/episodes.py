@@ -24,6 +24,7 @@ from jaxrl.data.tokenizer import pad_token_id
 from jaxrl.envs.registry import make_env_factory
 from jaxrl.envs.tool_calls import format_for, make_format
 from jaxrl.envs.tool_env import ToolsConfig
+from jaxrl.envs.tools import tool_schema
 from jaxrl.rl.rewards import JaxReward
 from jaxrl.rollout.multiturn import MultiTurnConfig
 from jaxrl.step.multiturn import Episodes, env_reward
@@ -71,6 +72,14 @@ def tools_config(cfg: ExperimentConfig) -> ToolsConfig:
                        python_timeout_s=t.python_timeout_s, python_memory_mb=t.python_memory_mb,
                        python_max_output_bytes=t.python_max_output_bytes,
                        max_result_chars=t.max_result_chars)
+
+
+def prompt_tools(cfg: ExperimentConfig, spec: str | None) -> tuple[dict, ...] | None:
+    """The tool environment's function schemas for the prompts' chat template; None for
+    another environment or none."""
+    if spec != TOOLS_ENV:
+        return None
+    return tuple(tool_schema(tool) for tool in tools_config(cfg).build_tools())
 
 
 def end_tag_ids(spec: str, tools: ToolsConfig, tokenizer: PreTrainedTokenizerBase

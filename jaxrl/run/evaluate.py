@@ -50,7 +50,7 @@ from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
 from jaxrl.rollout import Rollout, Sampler, SamplerConfig
 from jaxrl.rollout.multiturn import rollout_multiturn
-from jaxrl.run.episodes import RowView
+from jaxrl.run.episodes import RowView, env_spec, prompt_tools
 from jaxrl.run.run_dir import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
@@ -108,7 +108,9 @@ class Evaluator:
                                     field_columns=task.field_columns,
                                     chat_template=data.chat_template,
                                     max_prompt_len=data.max_prompt_len,
-                                    batch_size=1, seed=cfg.seed).build(run.tokenizer)
+                                    batch_size=1, seed=cfg.seed,
+                                    tools=prompt_tools(run.cfg, env_spec(run.cfg, task)),
+                                    ).build(run.tokenizer)
         self.rewards = rewards = task.reward_set(run.tokenizer, rows)
         n = cfg.num_samples
         config = dataclasses.replace(

@@ -104,3 +104,15 @@ def test_extra_tokens_are_matched_whole_and_kept_by_decoding(tmp_path):
     assert tok.decode(ids, skip_special_tokens=True) == text
     tok.save_pretrained(tmp_path)
     assert load_tokenizer(tmp_path).encode(text, add_special_tokens=False) == ids
+
+
+def test_tools_are_handed_to_the_chat_template(tokenizer):
+    tokenizer.chat_template = ("{% if tools %}tools {% for t in tools %}{{ t['function']['name'] }}"
+                               " {% endfor %}{% endif %}{% for m in messages %}"
+                               "{{ m['content'] }}{% endfor %}")
+    schema = {"type": "function", "function": {"name": "calculator", "description": "d",
+                                               "parameters": {"type": "object"}}}
+    with_tools, _ = encode_prompts(tokenizer, ["7+8="], tools=[schema])
+    plain, _ = encode_prompts(tokenizer, ["7+8="])
+    assert tokenizer.decode(with_tools[0]) == "tools calculator 7+8="
+    assert tokenizer.decode(plain[0]) == "7+8="

@@ -11,15 +11,18 @@ environment appends "<result>...</result>" (masked out of the loss), and the sec
 the answer. Two host rewards, position by position with partial credit like the addition
 task's:
 
-    answer     the text after the last "</result>" (the whole completion if there is none)
-               against the product's L digits: (1/(L+1)) · (Σ_i 1[a_i = t_i] + 1[len(a) = L])
     tool_call  the first turn against "<call>" + the prompt's expression + "</call>":
                (1/(E+2)) · (1[starts with <call>] + Σ_i 1[c_i = e_i] + 1[the call ends at E])
+    answer     the text after the last "</result>" against the product's L digits,
+               (1/(L+1)) · (Σ_i 1[a_i = t_i] + 1[len(a) = L]), and only once the completion
+               holds the calculator's result "<result>PRODUCT</result>"; else 0
 
-weighted 0.75 and 0.25, so the total is in [0, 1] and a sample is solved when both are 1.
-The call reward is shaping: without it no random policy would ever write a whole call, so
-the answer reward would never see a product. Guessing the product without the tool earns at
-most a few leading digits.
+weighted 0.5 each, so the total is in [0, 1] and a sample is solved when both are 1. The
+call reward is shaping: no random policy writes a whole call, so without it the answer
+reward would never see a product. The answer's gate makes this a tool-use task: a tiny
+policy cannot compute the product, and without the gate its guessed digits would earn
+random partial credit, noise that drowns the call's small per-character signal (measured:
+with the answer ungated at weight 0.75, the call reward stayed under 0.2 for 400 steps).
 
 Operands are drawn from [10^(n-1), 10^n) (no leading zeros: the calculator reads Python
 integers); a fixed tenth of the pairs is held out for evaluation (`addition.held_out`).
@@ -41,7 +44,7 @@ from jaxrl.rl.rewards import PythonReward
 ALPHABET = "0123456789*="
 CALL, CALL_END, RESULT, RESULT_END = "<call>", "</call>", "<result>", "</result>"
 TAGS = (CALL, CALL_END, RESULT, RESULT_END)
-ANSWER_WEIGHT, CALL_WEIGHT = 0.75, 0.25
+ANSWER_WEIGHT, CALL_WEIGHT = 0.5, 0.5
 _CHUNK = 1024
 
 
@@ -76,8 +79,11 @@ def _positional(text: str, target: str) -> int:
 
 
 def answer_reward(prompt: str, completion: str, fields: dict[str, Any]) -> float:
-    """The final answer against the product, per digit, plus ending right (docstring)."""
+    """The final answer against the product, per digit, plus ending right; 0 before the
+    calculator returned the product (docstring)."""
     target = fields["answer"]
+    if f"{RESULT}{target}{RESULT_END}" not in completion:
+        return 0.0
     final = completion.rsplit(RESULT_END, 1)[-1]
     return (_positional(final, target) + (len(final) == len(target))) / (len(target) + 1)
 
