@@ -158,18 +158,24 @@ def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Ar
     return ServePrefix(kv_LxTx2KxH, jnp.asarray(length, jnp.int32), first_1[0], key)
 
 
-def insert(state: ServeState, prefix: ServePrefix, slot: jax.Array,
-           layout: ServeLayout) -> ServeState:
-    """The slot starts the prefix's request: its keys/values into the slot's first pages
-    (whatever the slot held before is overwritten or never read again)."""
-    width = prefix.kv_LxTx2KxH.shape[1]
+def write_prefix(kv_pages: jax.Array, kv_LxTx2KxH: jax.Array, slot: jax.Array,
+                 layout: ServeLayout) -> jax.Array:
+    """A prompt's keys/values by position into the slot's first pages (the rest of the
+    slot's pages keep whatever they held: attention never reads past a slot's length)."""
+    width = kv_LxTx2KxH.shape[1]
     if width > layout.max_prefill_length:
         raise ValueError(f"a prefix of {width} tokens is longer than the layout's "
                          f"max_prefill_length {layout.max_prefill_length}")
     j_L = jnp.arange(width)
     page_L = layout.page_table()[slot, j_L // layout.page_size]
-    kv_pages = state.kv_pages.at[:, page_L, j_L % layout.page_size].set(
-        prefix.kv_LxTx2KxH.astype(state.kv_pages.dtype))
+    return kv_pages.at[:, page_L, j_L % layout.page_size].set(kv_LxTx2KxH.astype(kv_pages.dtype))
+
+
+def insert(state: ServeState, prefix: ServePrefix, slot: jax.Array,
+           layout: ServeLayout) -> ServeState:
+    """The slot starts the prefix's request: its keys/values into the slot's first pages
+    (whatever the slot held before is overwritten or never read again)."""
+    kv_pages = write_prefix(state.kv_pages, prefix.kv_LxTx2KxH, slot, layout)
     return state.replace(
         kv_pages=kv_pages, live_S=state.live_S.at[slot].set(True),
         token_S=state.token_S.at[slot].set(prefix.first_token),

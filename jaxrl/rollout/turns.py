@@ -38,7 +38,7 @@ from jaxrl.rollout.continuous import pool_kv
 from jaxrl.rollout.sampler import prefill as dense_prefill
 from jaxrl.rollout.sampler import sample_rows
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.rollout.serving import ServeLayout
+from jaxrl.rollout.serving import ServeLayout, write_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +120,7 @@ def start(state: TurnState, prefix: PromptPrefix, key: jax.Array, slot: jax.Arra
           layout: ServeLayout, sampling: SamplingParams) -> TurnState:
     """The slot starts a row of the prefix's prompt: the prompt's k/v into the slot's first
     pages, its first token drawn with fold_in(key, 0)."""
-    width = prefix.kv_LxPx2KxH.shape[1]
-    if width > layout.max_prefill_length:
-        raise ValueError(f"a prompt of {width} tokens is longer than the layout's "
-                         f"max_prefill_length {layout.max_prefill_length}")
-    j_P = jnp.arange(width)
-    page_P = layout.page_table()[slot, j_P // layout.page_size]
-    kv_pages = state.kv_pages.at[:, page_P, j_P % layout.page_size].set(
-        prefix.kv_LxPx2KxH.astype(state.kv_pages.dtype))
+    kv_pages = write_prefix(state.kv_pages, prefix.kv_LxPx2KxH, slot, layout)
     token, logp, logp_raw = _draw(key, 0, prefix.logits_V, sampling)
     return state.replace(
         kv_pages=kv_pages, live_S=state.live_S.at[slot].set(True),
