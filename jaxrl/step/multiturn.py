@@ -25,7 +25,8 @@ Metrics added to each step (host values): `turns/mean`, `tool/calls_per_sample`,
 `tool/errors`, `tool/timeouts` (per sample), `tool/latency_s` (mean seconds per call),
 `env/time_s` (seconds in environments, summed over calls), `env/wait_s` (seconds the decode
 loop had no slot to run because every busy one waited on its environment),
-`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time).
+`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time, which includes
+waiting for the previous step's train program, dispatched asynchronously, to finish).
 """
 
 from __future__ import annotations
