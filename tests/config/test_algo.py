@@ -94,3 +94,14 @@ def test_gae_loads_with_its_critic_and_is_refused_in_async_mode():
         AlgoSection(advantage="gae", mode="async")
     with pytest.raises(ConfigError, match=r"critic\.kind.*'both'.*'separate', 'value_head'"):
         load_config(AlgoSection, None, ["critic.kind=both"])
+
+
+def test_loss_variants_load_from_dotted_overrides():
+    cfg = load_config(AlgoSection, None, [
+        "loss.surrogate=cispo", "loss.cispo_ratio_cap=4.0", "loss.kl_estimator=k3_ratio",
+        "loss.beta=0.01", "loss.entropy_aggregation=tokens", "loss.top_entropy_quantile=0.2",
+        "loss.off_policy_kl_threshold=0.5", "loss.aggregation=seq_mean_token_sum"])
+    assert (cfg.loss.surrogate, cfg.loss.kl_estimator, cfg.loss.off_policy_kl_threshold) == (
+        "cispo", "k3_ratio", 0.5)
+    with pytest.raises(ConfigError, match="surrogate"):
+        load_config(AlgoSection, None, ["loss.surrogate=ppo"])
