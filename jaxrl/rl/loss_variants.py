@@ -38,6 +38,13 @@ Token masks on the policy term (the KL term keeps every valid token, as in TRL):
         tokens. Linear interpolation, as torch.quantile. TRL top_entropy_quantile. Deviation:
         the quantile is over this call's tokens, so under gradient accumulation over the
         microbatch's (TRL: over the micro-batch of every process, gathered).
+
+The adaptive entropy coefficient (Skywork-OR1, arXiv:2505.22312; TRL use_adaptive_entropy,
+entropy_target, entropy_coef_delta/min/max): after each optimizer update with token-mean
+entropy H (over the update's whole minibatch), c <- min(c + delta, c_max) if H <= target else
+max(c - delta, c_min), starting from entropy_coef; an update applies c only while the previous
+update's H was <= target (so not the first). The state lives with the optimizer
+(`jaxrl.step.state.TrainState`).
 """
 
 from __future__ import annotations
@@ -122,3 +129,53 @@ def top_entropy_mask(entropy_BxT: jax.Array, valid_BxT: jax.Array,
     entropy_BxT = jax.lax.stop_gradient(entropy_BxT)
     threshold = jnp.nanquantile(jnp.where(valid_BxT, entropy_BxT, jnp.nan), 1 - quantile)
     return valid_BxT & (entropy_BxT >= threshold)
+
+
+def adapt_entropy_coef(coef: jax.Array, entropy: jax.Array, cfg: PolicyLossConfig) -> jax.Array:
+    """The adaptive coefficient after an update whose token-mean entropy was `entropy`."""
+    return jnp.where(entropy <= cfg.entropy_target,
+                     jnp.minimum(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max),
+                     jnp.maximum(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min))
+
+
+def applied_entropy_coef(coef: jax.Array, last_entropy: jax.Array,
+                         cfg: PolicyLossConfig) -> jax.Array:
+    """The coefficient an update applies: the adaptive one while the last entropy was at or
+    below the target, else 0."""
+    return jnp.where(last_entropy <= cfg.entropy_target, coef, 0.0)
+
+
+def check_settings(cfg: PolicyLossConfig) -> None:
+    """ValueError naming the first bad variant setting of `cfg`."""
+    cap = cfg.negative_adv_ratio_cap
+    if cap is not None and not (cfg.surrogate == "ppo_clip"
+                                and 1 + cfg.epsilon_high < cap < math.inf):
+        raise ValueError(f"negative_adv_ratio_cap caps the ratio of surrogate='ppo_clip' "
+                         f"past its clip: it must be finite and > 1 + epsilon_high = "
+                         f"{1 + cfg.epsilon_high} (e.g. 3.0), or None, got {cap} with "
+                         f"surrogate={cfg.surrogate!r}")
+    positive = ("cispo_ratio_cap", "sapo_temperature_pos", "sapo_temperature_neg",
+                "vespo_lambda_pos", "vespo_lambda_neg", "entropy_coef_delta")
+    for name in positive + ("vespo_k_pos", "vespo_k_neg", "entropy_coef_min",
+                            "entropy_coef_max"):
+        value = getattr(cfg, name)
+        if not (0 < value if name in positive else 0 <= value) or not value < math.inf:
+            raise ValueError(f"{name} must be finite and {'>' if name in positive else '>='}"
+                             f" 0, got {value}")
+    if cfg.surrogate == "vespo" and cfg.importance_level != "token":
+        raise ValueError("surrogate='vespo' weighs whole sequences by the product of their "
+                         "token ratios: importance_level must be 'token'")
+    for name in ("off_policy_kl_threshold", "entropy_target"):
+        value = getattr(cfg, name)
+        if value is not None and not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be finite and >= 0, or None (off), got {value}")
+    if not 0 <= cfg.top_entropy_quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1] (1: every token), "
+                         f"got {cfg.top_entropy_quantile}")
+    if cfg.entropy_target is not None:
+        if cfg.entropy_coef_min > cfg.entropy_coef_max:
+            raise ValueError(f"entropy_coef_min={cfg.entropy_coef_min} must be <= "
+                             f"entropy_coef_max={cfg.entropy_coef_max}")
+        if cfg.top_entropy_quantile < 1:
+            raise ValueError("entropy_target measures the entropy of every valid token: "
+                             "top_entropy_quantile must be 1 with it")

@@ -120,6 +120,11 @@ class PolicyLossConfig:
     vespo_lambda_neg: float = 2.0
     off_policy_kl_threshold: float | None = None  # TRL off_policy_mask_threshold
     top_entropy_quantile: float = 1.0  # 1: every token
+    # The adaptive entropy coefficient (None: constant entropy_coef); TRL use_adaptive_entropy.
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
 
     def __post_init__(self):
         for name, choices in (("importance_level", ImportanceLevel),
@@ -149,33 +154,12 @@ class PolicyLossConfig:
         if self.correction in ("decoupled", "none") and self.tis_cap is not None:
             raise ValueError(f"correction={self.correction!r} takes no cap, got tis_cap="
                              f"{self.tis_cap} (a capped weight is correction='tis')")
-        self._check_variants()
+        loss_variants.check_settings(self)
 
-    def _check_variants(self):
-        cap = self.negative_adv_ratio_cap
-        if cap is not None and not (self.surrogate == "ppo_clip"
-                                    and 1 + self.epsilon_high < cap < math.inf):
-            raise ValueError(f"negative_adv_ratio_cap caps the ratio of surrogate='ppo_clip' "
-                             f"past its clip: it must be finite and > 1 + epsilon_high = "
-                             f"{1 + self.epsilon_high} (e.g. 3.0), or None, got {cap} with "
-                             f"surrogate={self.surrogate!r}")
-        positive = ("cispo_ratio_cap", "sapo_temperature_pos", "sapo_temperature_neg",
-                    "vespo_lambda_pos", "vespo_lambda_neg")
-        for name in positive + ("vespo_k_pos", "vespo_k_neg"):
-            value = getattr(self, name)
-            if not (0 < value if name in positive else 0 <= value) or not value < math.inf:
-                raise ValueError(f"{name} must be finite and {'>' if name in positive else '>='}"
-                                 f" 0, got {value}")
-        if self.surrogate == "vespo" and self.importance_level != "token":
-            raise ValueError("surrogate='vespo' weighs whole sequences by the product of their "
-                             "token ratios: importance_level must be 'token'")
-        threshold = self.off_policy_kl_threshold
-        if threshold is not None and not 0 <= threshold < math.inf:
-            raise ValueError(f"off_policy_kl_threshold must be finite and >= 0, or None (off), "
-                             f"got {threshold}")
-        if not 0 <= self.top_entropy_quantile <= 1:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1] (1: every token), "
-                             f"got {self.top_entropy_quantile}")
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has an entropy bonus (a coefficient, or an adaptive one)."""
+        return self.entropy_coef > 0 or self.entropy_target is not None
 
     @property
     def uses_sampler_logp(self) -> bool:
@@ -271,8 +255,9 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     this call's own. With the whole batch's counts, the losses, metrics and gradients of the
     microbatches sum to those of the batch (gradient accumulation ≡ full batch).
 
-    entropy_coef: this update's coefficient of the bonus (a schedule's value, may be traced),
-    used only when cfg.entropy_coef > 0; None: cfg.entropy_coef.
+    entropy_coef: this update's coefficient of the bonus (a schedule's or the adaptive
+    controller's value, may be traced), used only when cfg.entropy_bonus; None:
+    cfg.entropy_coef.
     """
     if cfg.beta > 0 and ref_logp_BxT is None:
         raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
@@ -285,9 +270,9 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
                              f"constant: pass max_completion_len >= 1, "
                              f"got {max_completion_len}")
 
-    if cfg.entropy_coef > 0 and entropy_BxT is None:
-        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 adds an entropy bonus: "
-                         f"pass entropy_BxT")
+    if cfg.entropy_bonus and entropy_BxT is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 (or entropy_target="
+                         f"{cfg.entropy_target}) adds an entropy bonus: pass entropy_BxT")
 
     valid_BxT, count_B, num_tokens, num_seqs = token_counts(mask_BxT, num_tokens, num_seqs)
 
@@ -370,7 +355,7 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     if entropy_BxT is not None:
         entropy_BxT = masked(entropy_BxT)
         metrics["entropy"] = jnp.sum(entropy_BxT) / num_tokens
-        if cfg.entropy_coef > 0:
+        if cfg.entropy_bonus:
             coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
             entropy_BxT = jnp.where(bonus_mask_BxT, entropy_BxT, 0.0)
             if cfg.entropy_aggregation == "policy":

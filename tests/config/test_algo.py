@@ -5,6 +5,7 @@ import pytest
 from jaxrl.config import AlgoSection, ConfigError, OptimSection, load_config
 from jaxrl.config.algo import resolve_logprob_chunk
 from jaxrl.config.critic import CriticSection
+from jaxrl.rl import PolicyLossConfig
 
 
 def test_config_is_validated_with_field_and_value():
@@ -21,7 +22,11 @@ def test_config_is_validated_with_field_and_value():
                           (dict(entropy_decay_steps=0), "algo.entropy_decay_steps.*0"),
                           (dict(entropy_decay_start=5),
                            "algo.entropy_decay_start must be None when algo.loss.entropy_coef "
-                           "is 0.*got 5")):
+                           "is 0.*got 5"),
+                          (dict(entropy_decay_start=5, loss=PolicyLossConfig(
+                              entropy_coef=0.1, entropy_target=0.5)),
+                           "algo.entropy_decay_start must be None when algo.loss.entropy_target"
+                           )):
         with pytest.raises(ValueError, match=match):
             AlgoSection(**kwargs)
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):

@@ -229,6 +229,8 @@ def test_bad_config_names_the_field_and_value(field, value):
     (PolicyLossConfig(correction="decoupled"), "correction='decoupled'.*sampler_logp_BxT"),
     (PolicyLossConfig(aggregation="seq_mean_token_sum_norm"), "max_completion_len"),
     (PolicyLossConfig(entropy_coef=0.1), "entropy_coef=0.1 .*entropy_BxT"),
+    (PolicyLossConfig(entropy_target=0.5), "entropy_target=0.5.*entropy_BxT"),
+    (PolicyLossConfig(top_entropy_quantile=0.2), "top_entropy_quantile.*entropy_BxT"),
 ])
 def test_missing_inputs_are_errors(cfg, message):
     with pytest.raises(ValueError, match=message):
@@ -263,6 +265,11 @@ def test_per_token_advantages_weight_each_token():
     (dict(surrogate="vespo", importance_level="sequence"), "importance_level must be 'token'"),
     (dict(off_policy_kl_threshold=-0.1), "off_policy_kl_threshold must be"),
     (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in"),
+    (dict(entropy_target=-1.0), "entropy_target must be finite and >= 0"),
+    (dict(entropy_coef_delta=0.0), "entropy_coef_delta must be finite and > 0"),
+    (dict(entropy_target=0.5, entropy_coef_min=0.5, entropy_coef_max=0.1),
+     "entropy_coef_min=0.5 must be <= entropy_coef_max=0.1"),
+    (dict(entropy_target=0.5, top_entropy_quantile=0.2), "top_entropy_quantile must be 1"),
 ])
 def test_bad_variant_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -18,6 +18,7 @@ import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from jaxrl.rl import PolicyLossConfig, policy_loss
+from jaxrl.rl.loss_variants import adapt_entropy_coef, applied_entropy_coef
 
 B, T = 4, 6
 LENGTHS = np.array([6, 3, 5, 1])  # unequal lengths; padding holds ordinary values
@@ -62,7 +63,8 @@ class _TRL:
         self.args = types.SimpleNamespace(
             use_bias_correction_kl=False, delta=None, sapo_temperature_pos=1.0,
             sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-            vespo_lambda_neg=2.0, steps_per_generation=1, entropy_target=0.2)
+            vespo_lambda_neg=2.0, steps_per_generation=1, entropy_target=0.2,
+            entropy_coef_delta=0.005, entropy_coef_min=0.0, entropy_coef_max=1.0)
         self.loss_type, self.epsilon_low, self.epsilon_high, self.beta = "dapo", 0.2, 0.2, 0.0
         self.importance_sampling_level = "token"
         self.top_entropy_quantile, self.off_policy_mask_threshold = 1.0, None
@@ -70,7 +72,7 @@ class _TRL:
         self.entropy_coef, self.use_adaptive_entropy = 0.0, False
         for name, value in settings.items():
             setattr(self.args if hasattr(self.args, name) else self, name, value)
-        self._entropy_bonus_enabled = self.entropy_coef != 0.0
+        self._entropy_bonus_enabled = self.entropy_coef != 0.0 or self.use_adaptive_entropy
         self._last_world_entropy, self._entropy_window_stats = math.inf, None
         self.max_completion_length, self.current_gradient_accumulation_steps = T, 1
         self.aux_loss_enabled = False
@@ -202,3 +204,34 @@ def test_metrics_match_trl(settings, trl_settings, name, trl_name):
     metrics = jaxrl_loss(settings)[3]
     np.testing.assert_allclose(metrics[name], trl_metrics[trl_name][0], rtol=1e-6)
     assert 0 < float(metrics[name])
+
+
+def test_adaptive_entropy_coefficient_follows_trls_controller():
+    # One optimizer update per call, entropies around the target 1.0 (the mean of ENTROPY is
+    # ~1.6): TRL's coefficient after each update and each update's loss (which applies the
+    # coefficient only while the last entropy was at or below the target) against jaxrl's.
+    settings = {"entropy_coef": 0.05, "entropy_target": 1.0, "entropy_coef_delta": 0.02,
+                "entropy_coef_min": 0.01, "entropy_coef_max": 0.08}
+    cfg = PolicyLossConfig(**settings)
+    trainer = _TRL(None, None, settings | {"use_adaptive_entropy": True})
+    coef, last = np.float64(0.05), np.float64(np.inf)
+    coefs, trl_coefs = [], []
+    for scale in (0.5, 0.4, 0.3, 2.0, 0.5, 3.0, 3.0, 3.0, 3.0, 3.0, 0.2):
+        trainer.logp = torch.tensor(LOGP, requires_grad=True)
+        trainer.entropy = torch.tensor(ENTROPY * scale, requires_grad=True)
+        inputs = {"prompt_ids": torch.zeros((B, 1), dtype=torch.long),
+                  "prompt_mask": torch.ones((B, 1)),
+                  "completion_ids": torch.zeros((B, T), dtype=torch.long),
+                  "completion_mask": torch.tensor(MASK), "advantages": torch.tensor(ADV),
+                  "old_per_token_logps": torch.tensor(OLD),
+                  "num_items_in_batch": torch.tensor(MASK.sum())}
+        want = trainer._compute_loss(None, inputs).item()
+        trl_coefs.append(trainer.entropy_coef)
+        got, metrics = policy_loss(LOGP, OLD, ADV, MASK, cfg, entropy_BxT=ENTROPY * scale,
+                                   entropy_coef=applied_entropy_coef(coef, last, cfg))
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        coef, last = adapt_entropy_coef(coef, metrics["entropy"], cfg), metrics["entropy"]
+        coefs.append(float(coef))
+    np.testing.assert_allclose(coefs, trl_coefs, rtol=1e-9)
+    # It moved both ways and hit both bounds.
+    assert max(coefs) == 0.08 and min(coefs) == 0.01
