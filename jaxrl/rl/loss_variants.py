@@ -35,7 +35,7 @@ Token masks on the policy term (the KL term keeps every valid token, as in TRL):
         off_policy_mask_threshold.
     top-entropy token mask     keep token it iff H_it >= quantile_{1 - q}(H over valid tokens)
         "Beyond the 80/20 rule" (arXiv:2506.01939, q = 0.2): the gradient only on the forking
-        tokens. Linear interpolation, as torch.quantile. TRL top_entropy_quantile. Deviation:
+        tokens; the entropy bonus acts on the same tokens (as TRL). Linear interpolation, as torch.quantile. TRL top_entropy_quantile. Deviation:
         the quantile is over this call's tokens, so under gradient accumulation over the
         microbatch's (TRL: over the micro-batch of every process, gathered).
 

@@ -97,7 +97,9 @@ def trl_loss(settings, sampler=False, tis_cap=None):
     if sampler:
         inputs["sampling_per_token_logps"] = t(SAMPLER)
     if tis_cap is not None:
-        inputs["importance_sampling_ratio"] = torch.clamp(t(np.exp(OLD - SAMPLER)), max=tis_cap)
+        # As TRL's _generate_and_score_completions ("token_truncate"): 1 at padding.
+        inputs["importance_sampling_ratio"] = torch.clamp(t(np.exp((OLD - SAMPLER) * MASK)),
+                                                          max=tis_cap)
         settings = settings | {"use_vllm": True, "vllm_importance_sampling_correction": True}
     trainer = _TRL(logp, entropy, settings)
     loss = trainer._compute_loss(None, inputs)
@@ -155,6 +157,14 @@ CASES = [
     ("sapo", {"aggregation": "seq_mean_token_mean"}, {"loss_type": "grpo"},
      {"surrogate": "sapo"}, {"loss_type": "sapo"}, False),
     ("vespo", {}, {}, {"surrogate": "vespo"}, {"loss_type": "vespo"}, False),
+    ("cispo_sequence", {"surrogate": "cispo", "cispo_ratio_cap": 1.05},
+     {"loss_type": "cispo", "epsilon_high": 1.05},
+     {"importance_level": "sequence"}, {"importance_sampling_level": "sequence"}, False),
+    ("sapo_sequence", {"surrogate": "sapo", "aggregation": "seq_mean_token_mean"},
+     {"loss_type": "sapo"},
+     {"importance_level": "sequence"}, {"importance_sampling_level": "sequence"}, False),
+    ("luspo_token", {}, {"loss_type": "luspo"}, {"aggregation": "seq_mean_token_sum"}, {},
+     False),
     ("negative_adv_ratio_cap", {"epsilon_high": 0.28}, {"epsilon_high": 0.28},
      {"negative_adv_ratio_cap": 1.5}, {"delta": 1.5}, False),
     # The negative sequences' mean KLs are 0.23 and -0.02 (old), 0.45 and 0.005 (sampler):
@@ -191,6 +201,14 @@ def test_truncated_importance_weights_match_trls_vllm_correction():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(grad, want_grad, rtol=0, atol=1e-6)
     assert abs(jaxrl_loss({"beta": 0.04}, sampler=True)[0] - got) > 1e-4
+
+
+def test_vespo_folds_the_truncated_importance_weights_into_its_sequence_weight():
+    want, want_grad, _, _ = trl_loss({"loss_type": "vespo"}, sampler=True, tis_cap=1.2)
+    got, grad, _, _ = jaxrl_loss({"surrogate": "vespo", "tis_cap": 1.2}, sampler=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=0, atol=1e-6)
+    assert abs(jaxrl_loss({"surrogate": "vespo"}, sampler=True)[0] - got) > 1e-4
 
 
 @pytest.mark.parametrize("settings, trl_settings, name, trl_name", [
