@@ -111,6 +111,9 @@ class AlgoSection:
         if self.entropy_decay_start is not None and not self.loss.entropy_coef > 0:
             fail("algo", self, "entropy_decay_start",
                  "None when algo.loss.entropy_coef is 0 (there is no bonus to decay)")
+        if self.entropy_decay_start is not None and self.loss.entropy_target is not None:
+            fail("algo", self, "entropy_decay_start",
+                 "None when algo.loss.entropy_target sets an adaptive coefficient")
         if (isinstance(self.router_aux_coef, bool)
                 or not isinstance(self.router_aux_coef, (int, float))
                 or not math.isfinite(self.router_aux_coef) or self.router_aux_coef < 0):

@@ -2,7 +2,8 @@
 hidden states), group-relative advantages (GRPO, RLOO, Dr. GRPO) and zero-variance groups, PPO's
 per-token GAE and clipped value loss (a learned critic), the
 clipped policy loss of the GRPO family (DAPO clip-higher, GSPO sequence ratios, Dr. GRPO
-aggregation, KL to a reference, entropy bonus, truncated importance sampling), DAPO's
+and LUSPO aggregation, KL to a reference, entropy bonus, truncated importance sampling) and
+its variants (CISPO, SAPO, VESPO, dual clip, off-policy and top-entropy masks), DAPO's
 overlong reward shaping, and the rewards API (in-graph JAX rewards and host Python rewards,
 weighted and logged; text decoding is injected). Every function is pure and jittable (a
 RewardSet's Python rewards run through a host callback), takes and returns arrays with their

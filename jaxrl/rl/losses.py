@@ -1,5 +1,6 @@
-"""The clipped policy-gradient loss of the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO), with KL,
-entropy bonus and truncated importance sampling.
+"""The clipped policy-gradient loss of the GRPO family (GRPO, DAPO, Dr. GRPO, GSPO, LUSPO;
+CISPO, SAPO, VESPO in `jaxrl.rl.loss_variants`), with KL, entropy bonus and truncated
+importance sampling.
 
 Per completion token t of sequence i (mask m_it = 1), with advantage A_i (or a per-token
 A_it, PPO's GAE with a critic: `jaxrl.rl.gae`; adv_B then has shape [B, T]):
@@ -20,6 +21,7 @@ A_it, PPO's GAE with a critic: `jaxrl.rl.gae`; adv_B then has shape [B, T]):
                             the policy that generated: its clip absorbs the staleness)
     kl_it    = k(log r_it),  log r_it = ref_logp_it - logp_it     Schulman's estimators of
                k1 = -log r,  k2 = (log r)^2 / 2,  k3 = r - 1 - log r      KL(pi || ref)
+               k3_ratio = ratio_it · k3 (DeepSeek-V3.2: unbiased from pi_old's samples)
     l_it     = w_it · pg_it + beta · kl_it - entropy_coef · H_it
 
 and the loss aggregates l over the valid tokens:
@@ -29,6 +31,13 @@ and the loss aggregates l over the valid tokens:
     seq_mean_token_mean      mean_i [sum_t m l / |y_i|]                (GRPO paper; with
                                                                         "sequence" = GSPO paper)
     seq_mean_token_sum_norm  mean_i [sum_t m l / max_completion_len]   (Dr. GRPO: no length bias)
+    seq_mean_token_sum       mean_i [sum_t m l]                        (LUSPO, arXiv:2602.05261,
+                                                                        with "sequence": GSPO's
+                                                                        loss times |y_i|)
+
+pg above is surrogate="ppo_clip"; `jaxrl.rl.loss_variants` holds the other surrogates (CISPO,
+SAPO, VESPO), the cap of negative-advantage ratios, DeepSeek-V3.2's off-policy sequence mask
+and the top-entropy token mask, with their equations, papers and TRL names.
 
 eps_high > eps_low is DAPO's clip-higher; GSPO's sequence ratios need far narrower clip
 ranges (the paper uses 3e-4 / 4e-4). For one on-policy gradient step per batch pass
@@ -38,9 +47,12 @@ Deliberate choices:
 - "mean over sequences" counts only sequences with at least one valid token. A fully masked
   row (a zero-std group, see advantages.py) then vanishes from every aggregation, instead of
   diluting the gradient as groups saturate (TRL divides by the batch size B).
-- KL and the entropy bonus are added per token and aggregated like the policy term (as TRL
-  and verl do), so `loss = loss/policy + beta · loss/kl - entropy_coef · agg(H)` with
-  `loss/kl` the aggregated estimator (unscaled by beta).
+- KL is added per token and aggregated like the policy term (as TRL and verl do), so
+  `loss = loss/policy + beta · loss/kl - entropy_coef · agg_H(H)` with `loss/kl` the
+  aggregated estimator (unscaled by beta). agg_H is entropy_aggregation: "policy" (the
+  default) aggregates H like the policy term (verl); "tokens" is the mean of H over the valid
+  tokens whatever the aggregation (TRL's entropy_coef: its bonus is not rescaled to the loss
+  type's normalisation).
 - Masked tokens are zeroed with `where` in every input, not multiplied by 0 at the end, so
   garbage log-probs at padding (an overflowing ratio) give neither a NaN loss nor a NaN
   gradient, and their gradient is exactly 0.
@@ -55,7 +67,10 @@ gradient), `entropy` (token mean of H, when given) and `tis/weight_mean` (token 
 when tis_cap is set). With the sampler's log-probs: `async/ratio_mean` (token mean of rho),
 `async/ratio_clipped_frac` (tokens whose rho passes tis_cap: truncated or masked) and
 `async/kl_behaviour` (k3 estimate of KL(behaviour || proximal) from the behaviour's samples,
-log r = old_logp - sampler_logp).
+log r = old_logp - sampler_logp). The variants add theirs (token means): `clip_frac/negative_cap`
+(A < 0 and ratio past negative_adv_ratio_cap), `sapo/gate_weight` (SAPO's gradient weight),
+`vespo/weight` (phi), `off_policy/masked_frac` and `entropy_mask/kept_frac`; with CISPO
+`clip_frac` counts the tokens with A > 0 whose weight was capped (as TRL).
 """
 
 from __future__ import annotations
@@ -68,10 +83,15 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxrl.rl import loss_variants
+
 ImportanceLevel = Literal["token", "sequence"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+                      "seq_mean_token_sum"]
+KLEstimator = Literal["k1", "k2", "k3", "k3_ratio"]
 Correction = Literal["tis", "mis", "decoupled", "none"]
+Surrogate = Literal["ppo_clip", "cispo", "sapo", "vespo"]
+EntropyAggregation = Literal["policy", "tokens"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +107,30 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     tis_cap: float | None = None
     correction: Correction = "tis"  # how the behaviour (sampler) policy is corrected for
+    entropy_aggregation: EntropyAggregation = "policy"
+    # The variants of `jaxrl.rl.loss_variants` (its docstring has their equations).
+    surrogate: Surrogate = "ppo_clip"
+    negative_adv_ratio_cap: float | None = None  # TRL delta, verl clip_ratio_c
+    cispo_ratio_cap: float = 5.0  # TRL epsilon_high with loss_type="cispo"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_kl_threshold: float | None = None  # TRL off_policy_mask_threshold
+    top_entropy_quantile: float = 1.0  # 1: every token
+    # The adaptive entropy coefficient (None: constant entropy_coef); TRL use_adaptive_entropy.
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
 
     def __post_init__(self):
         for name, choices in (("importance_level", ImportanceLevel),
                               ("aggregation", Aggregation), ("kl_estimator", KLEstimator),
-                              ("correction", Correction)):
+                              ("correction", Correction), ("surrogate", Surrogate),
+                              ("entropy_aggregation", EntropyAggregation)):
             value = getattr(self, name)
             if value not in typing.get_args(choices):
                 raise ValueError(f"{name} must be one of {typing.get_args(choices)}, "
@@ -115,6 +154,12 @@ class PolicyLossConfig:
         if self.correction in ("decoupled", "none") and self.tis_cap is not None:
             raise ValueError(f"correction={self.correction!r} takes no cap, got tis_cap="
                              f"{self.tis_cap} (a capped weight is correction='tis')")
+        loss_variants.check_settings(self)
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has an entropy bonus (a coefficient, or an adaptive one)."""
+        return self.entropy_coef > 0 or self.entropy_target is not None
 
     @property
     def uses_sampler_logp(self) -> bool:
@@ -122,20 +167,34 @@ class PolicyLossConfig:
         return self.correction != "tis" or self.tis_cap is not None
 
 
-def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array,
-                estimator: KLEstimator) -> jax.Array:
+def _float(x: jax.Array) -> jax.Array:
+    """x in float32 at least (bfloat16 is widened, float64 kept)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def kl_estimate(logp_BxT: jax.Array, ref_logp_BxT: jax.Array, estimator: KLEstimator,
+                ratio_BxT: jax.Array | None = None) -> jax.Array:
     """Per-token estimate of KL(pi || ref) from samples of pi, with log r = ref_logp - logp.
 
     k1 = -log r (unbiased, can be negative), k2 = (log r)^2 / 2 (biased, >= 0),
-    k3 = r - 1 - log r (unbiased, >= 0 since e^x >= 1 + x).
+    k3 = r - 1 - log r (unbiased, >= 0 since e^x >= 1 + x);
+    k3_ratio = (pi / pi_old) · k3, with ratio_BxT the loss's importance ratio (differentiated
+    through): from samples of pi_old, its gradient is the unbiased gradient of KL(pi || ref)
+    (DeepSeek-V3.2, arXiv:2512.02556; TRL use_bias_correction_kl).
     """
-    log_r_BxT = ref_logp_BxT.astype(jnp.float32) - logp_BxT.astype(jnp.float32)
+    log_r_BxT = _float(ref_logp_BxT) - _float(logp_BxT)
     if estimator == "k1":
         return -log_r_BxT
     if estimator == "k2":
         return 0.5 * jnp.square(log_r_BxT)
-    if estimator == "k3":
-        return jnp.expm1(log_r_BxT) - log_r_BxT
+    if estimator in ("k3", "k3_ratio"):
+        k3_BxT = jnp.expm1(log_r_BxT) - log_r_BxT
+        if estimator == "k3":
+            return k3_BxT
+        if ratio_BxT is None:
+            raise ValueError("kl_estimator='k3_ratio' weighs k3 by the importance ratio: "
+                             "pass ratio_BxT")
+        return k3_BxT * ratio_BxT
     raise ValueError(f"kl_estimator must be one of {typing.get_args(KLEstimator)}, "
                      f"got {estimator!r}")
 
@@ -161,9 +220,12 @@ def aggregate_tokens(x_BxT: jax.Array, aggregation: Aggregation, count_B: jax.Ar
                      max_completion_len: int | None) -> jax.Array:
     """A masked per-token term x_BxT reduced as `aggregation` says: Σ x / num_tokens
     (token_mean), or Σ_b (Σ_t x_bt / n_b) / num_seqs with n_b the row's tokens
-    (seq_mean_token_mean) or the constant max_completion_len (seq_mean_token_sum_norm)."""
+    (seq_mean_token_mean), the constant max_completion_len (seq_mean_token_sum_norm) or 1
+    (seq_mean_token_sum)."""
     if aggregation == "token_mean":
         return jnp.sum(x_BxT) / num_tokens
+    if aggregation == "seq_mean_token_sum":
+        return jnp.sum(x_BxT) / num_seqs
     if aggregation == "seq_mean_token_mean":
         per_seq_B = jnp.sum(x_BxT, axis=1) / jnp.maximum(count_B, 1.0)
     else:
@@ -193,8 +255,9 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     this call's own. With the whole batch's counts, the losses, metrics and gradients of the
     microbatches sum to those of the batch (gradient accumulation ≡ full batch).
 
-    entropy_coef: this update's coefficient of the bonus (a schedule's value, may be traced),
-    used only when cfg.entropy_coef > 0; None: cfg.entropy_coef.
+    entropy_coef: this update's coefficient of the bonus (a schedule's or the adaptive
+    controller's value, may be traced), used only when cfg.entropy_bonus; None:
+    cfg.entropy_coef.
     """
     if cfg.beta > 0 and ref_logp_BxT is None:
         raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
@@ -207,46 +270,48 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
                              f"constant: pass max_completion_len >= 1, "
                              f"got {max_completion_len}")
 
-    if cfg.entropy_coef > 0 and entropy_BxT is None:
-        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 adds an entropy bonus: "
-                         f"pass entropy_BxT")
+    if cfg.entropy_bonus and entropy_BxT is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 (or entropy_target="
+                         f"{cfg.entropy_target}) adds an entropy bonus: pass entropy_BxT")
 
     valid_BxT, count_B, num_tokens, num_seqs = token_counts(mask_BxT, num_tokens, num_seqs)
 
     def masked(x_BxT):
         # Masking the *inputs* too keeps exp/expm1 of padding finite: a `where` after an
         # overflow would still send 0 · inf = NaN back through the gradient.
-        return jnp.where(valid_BxT, x_BxT.astype(jnp.float32), 0.0)
+        return jnp.where(valid_BxT, _float(x_BxT), 0.0)
 
     def aggregate(x_BxT):
         return aggregate_tokens(masked(x_BxT), cfg.aggregation, count_B, num_tokens, num_seqs,
                                 max_completion_len)
 
+    def token_mean(x_BxT):
+        return jnp.sum(masked(x_BxT)) / num_tokens
+
     metrics = {}
     if sampler_logp_BxT is not None:
         log_rho_BxT = masked(old_logp_BxT) - masked(sampler_logp_BxT)
         rho_BxT = jax.lax.stop_gradient(jnp.exp(log_rho_BxT))
-        metrics["async/ratio_mean"] = jnp.sum(masked(rho_BxT)) / num_tokens
+        metrics["async/ratio_mean"] = token_mean(rho_BxT)
         passed_BxT = (rho_BxT > cfg.tis_cap) if cfg.tis_cap is not None else \
             jnp.zeros_like(valid_BxT)
-        metrics["async/ratio_clipped_frac"] = jnp.sum(masked(passed_BxT)) / num_tokens
-        metrics["async/kl_behaviour"] = jnp.sum(
-            masked(jax.lax.stop_gradient(jnp.expm1(log_rho_BxT) - log_rho_BxT))) / num_tokens
-        if cfg.correction == "none":
-            old_logp_BxT = sampler_logp_BxT
+        metrics["async/ratio_clipped_frac"] = token_mean(passed_BxT)
+        metrics["async/kl_behaviour"] = token_mean(
+            jax.lax.stop_gradient(jnp.expm1(log_rho_BxT) - log_rho_BxT))
+    behaviour_logp_BxT = old_logp_BxT if sampler_logp_BxT is None else sampler_logp_BxT
+    if cfg.correction == "none" and sampler_logp_BxT is not None:
+        old_logp_BxT = sampler_logp_BxT
     logp_BxT = masked(logp_BxT)
-    log_ratio_BxT = logp_BxT - masked(old_logp_BxT)
+    token_log_ratio_BxT = logp_BxT - masked(old_logp_BxT)
+    log_ratio_BxT = token_log_ratio_BxT
     if cfg.importance_level == "sequence":
         seq_log_ratio_B = jnp.sum(log_ratio_BxT, axis=1) / jnp.maximum(count_B, 1.0)
         log_ratio_BxT = jnp.broadcast_to(seq_log_ratio_B[:, None], log_ratio_BxT.shape)
     ratio_BxT = jnp.exp(log_ratio_BxT)
     # One advantage per sequence [B], or per token [B, T] (PPO's GAE, `jaxrl.rl.gae`).
-    adv_Bx1 = adv_B.astype(jnp.float32)[:, None] if adv_B.ndim == 1 else masked(adv_B)
-    unclipped_BxT = ratio_BxT * adv_Bx1
-    clipped_BxT = jnp.clip(ratio_BxT, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv_Bx1
-    pg_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
-    metrics["clip_frac"] = jnp.sum(masked(clipped_BxT < unclipped_BxT)) / num_tokens
+    adv_Bx1 = _float(adv_B)[:, None] if adv_B.ndim == 1 else masked(adv_B)
 
+    w_BxT = None
     if cfg.correction != "none" and cfg.uses_sampler_logp:
         if cfg.correction == "tis":
             w_BxT = jnp.minimum(rho_BxT, cfg.tis_cap)
@@ -254,22 +319,50 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
             w_BxT = jnp.where(passed_BxT, 0.0, rho_BxT)
         else:
             w_BxT = rho_BxT
+        metrics["tis/weight_mean"] = token_mean(w_BxT)
+    vespo = cfg.surrogate == "vespo"
+    pg_BxT, token_metrics = loss_variants.surrogate_term(
+        cfg, logp_BxT, token_log_ratio_BxT, ratio_BxT, adv_Bx1, valid_BxT,
+        jnp.log(w_BxT) if vespo and w_BxT is not None else None)
+    metrics |= {name: token_mean(x_BxT) for name, x_BxT in token_metrics.items()}
+    if w_BxT is not None and not vespo:  # VESPO folds the weight into its own
         pg_BxT = pg_BxT * w_BxT
-        metrics["tis/weight_mean"] = jnp.sum(masked(w_BxT)) / num_tokens
+    if cfg.off_policy_kl_threshold is not None:
+        keep = loss_variants.off_policy_sequence_mask(
+            adv_Bx1, logp_BxT, masked(behaviour_logp_BxT), valid_BxT, count_B,
+            cfg.off_policy_kl_threshold)
+        pg_BxT = jnp.where(keep, pg_BxT, 0.0)
+        metrics["off_policy/masked_frac"] = token_mean(~jnp.broadcast_to(keep, valid_BxT.shape))
+    bonus_mask_BxT = valid_BxT
+    if cfg.top_entropy_quantile < 1:
+        if entropy_BxT is None:
+            raise ValueError("top_entropy_quantile < 1 keeps the high-entropy tokens: pass "
+                             "entropy_BxT")
+        bonus_mask_BxT = loss_variants.top_entropy_mask(entropy_BxT, valid_BxT,
+                                                        cfg.top_entropy_quantile)
+        pg_BxT = jnp.where(bonus_mask_BxT, pg_BxT, 0.0)
+        metrics["entropy_mask/kept_frac"] = token_mean(bonus_mask_BxT)
     metrics["loss/policy"] = aggregate(pg_BxT)
     per_token_BxT = pg_BxT
 
     metrics["loss/kl"] = jnp.zeros((), jnp.float32)
     if cfg.beta > 0:
-        kl_BxT = kl_estimate(logp_BxT, masked(ref_logp_BxT), cfg.kl_estimator)
+        kl_BxT = kl_estimate(logp_BxT, masked(ref_logp_BxT), cfg.kl_estimator, ratio_BxT)
         metrics["loss/kl"] = aggregate(kl_BxT)
         per_token_BxT = per_token_BxT + cfg.beta * kl_BxT
 
+    bonus = 0.0
     if entropy_BxT is not None:
         entropy_BxT = masked(entropy_BxT)
         metrics["entropy"] = jnp.sum(entropy_BxT) / num_tokens
-        if cfg.entropy_coef > 0:
+        if cfg.entropy_bonus:
             coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
-            per_token_BxT = per_token_BxT - coef * entropy_BxT
+            entropy_BxT = jnp.where(bonus_mask_BxT, entropy_BxT, 0.0)
+            if cfg.entropy_aggregation == "policy":
+                per_token_BxT = per_token_BxT - coef * entropy_BxT
+            else:  # the mean over the tokens the bonus acts on, as TRL
+                denominator = num_tokens if cfg.top_entropy_quantile == 1 else \
+                    jnp.maximum(jnp.sum(bonus_mask_BxT), 1.0)
+                bonus = coef * jnp.sum(entropy_BxT) / denominator
 
-    return aggregate(per_token_BxT), metrics
+    return aggregate(per_token_BxT) - bonus, metrics

@@ -210,8 +210,11 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     if spec is not None:
         rewards = dataclasses.replace(rewards, rewards=[*rewards.rewards,
                                                         *env_rewards(spec, task)])
-    ts = train_state_from_model(model, cfg.optim, mesh, layout.train_rules,
-                                critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None)
+    ts = train_state_from_model(
+        model, cfg.optim, mesh, layout.train_rules,
+        critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None,
+        adaptive_entropy_coef=(cfg.algo.loss.entropy_coef
+                               if cfg.algo.loss.entropy_target is not None else None))
     sampler_config = SamplerConfig(
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(

@@ -55,6 +55,7 @@ from jaxrl.rl import (
     zero_std_groups,
 )
 from jaxrl.rl.gae import value_loss
+from jaxrl.rl.loss_variants import adapt_entropy_coef, applied_entropy_coef
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.sharding.rules import active_rules
 from jaxrl.step.forward import (
@@ -231,7 +232,8 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
 
     Returns the metrics averaged over the updates: loss/policy, loss/kl, entropy, clip_frac
     (and tis/weight_mean, loss/router_aux with algo.router_aux_coef > 0 on an MoE policy), grad_norm (global norm before clipping), lr (when a schedule is
-    given) and entropy_coef (when algo.entropy_decay_start is set); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
+    given) and entropy_coef (when algo.entropy_decay_start or algo.loss.entropy_target is set:
+    the adaptive coefficient after each update); and the skip counts (`TrainState.count_skips`): an update whose loss or gradient
     is not finite is not applied.
     """
     rows = batch["loss_mask_BxC"].shape[0]
@@ -274,6 +276,7 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
                                entropy_coef=entropy_coef, prompt_group=group, critic=critic)
 
     graphdef = nnx.graphdef(ts)
+    adaptive = cfg.loss.entropy_target is not None
 
     def update(state, mini):
         ts = nnx.merge(graphdef, state, copy=True)
@@ -283,6 +286,9 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         params = jax.tree.map(lambda m: nnx.state(m, trainable(m)), ts.trainable(),
                               is_leaf=lambda x: isinstance(x, nnx.Module))
         entropy_coef = entropy_coef_at(cfg, ts.step)
+        if adaptive:
+            entropy_coef = applied_entropy_coef(ts.optimizer.entropy_coef[...],
+                                                ts.optimizer.last_entropy[...], cfg.loss)
 
         def accumulate(carry, mb):
             model = nnx.merge(graphdef, state, copy=True).trainable()
@@ -329,6 +335,14 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         else:
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                      apply(state, grads), state)
+        if adaptive:  # the controller measures every update, applied or skipped (as TRL)
+            ts = nnx.merge(graphdef, new_state, copy=True)
+            opt = ts.optimizer
+            opt.entropy_coef[...] = adapt_entropy_coef(opt.entropy_coef[...],
+                                                       metrics["entropy"], cfg.loss)
+            opt.last_entropy[...] = metrics["entropy"]
+            metrics["entropy_coef"] = opt.entropy_coef[...]
+            new_state = nnx.state(ts)
         return new_state, (metrics, ~finite)
 
     def iteration(state, _):

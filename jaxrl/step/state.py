@@ -38,12 +38,21 @@ class SkipCount(nnx.Variable):
     """A counter of steps with skipped updates (int32 scalar, replicated)."""
 
 
+class EntropyControl(nnx.Variable):
+    """The adaptive entropy coefficient's state (float32 scalar, replicated)."""
+
+
 class TrainState(nnx.Module):
-    """The policy and its optimizer; a jitted step takes `nnx.split(train_state)` and donates it."""
+    """The policy and its optimizer; a jitted step takes `nnx.split(train_state)` and donates it.
+
+    With `adaptive_entropy_coef` (algo.loss.entropy_target set: `jaxrl.rl.loss_variants`) the
+    optimizer also keeps the adaptive coefficient, from that initial value, and the entropy
+    of the last update (+inf before the first)."""
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
                  critic: Critic | None = None,
-                 critic_tx: optax.GradientTransformation | None = None):
+                 critic_tx: optax.GradientTransformation | None = None,
+                 adaptive_entropy_coef: float | None = None):
         self.model = model
         self.optimizer = nnx.Optimizer(model, tx, wrt=trainable(model))
         self.critic = critic
@@ -52,6 +61,9 @@ class TrainState(nnx.Module):
         # Kept with the optimizer state (and its checkpoint): steps with a skipped update.
         self.optimizer.skipped_steps = SkipCount(jnp.zeros((), jnp.int32))
         self.optimizer.skipped_in_a_row = SkipCount(jnp.zeros((), jnp.int32))
+        if adaptive_entropy_coef is not None:
+            self.optimizer.entropy_coef = EntropyControl(jnp.float32(adaptive_entropy_coef))
+            self.optimizer.last_entropy = EntropyControl(jnp.float32(jnp.inf))
 
     @property
     def step(self) -> jax.Array:
@@ -108,12 +120,13 @@ class TrainState(nnx.Module):
 
 def _with_critic(build_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
                  optim_cfg: OptimSection, critic: CriticSection | None,
-                 ) -> Callable[[], TrainState]:
+                 adaptive_entropy_coef: float | None = None) -> Callable[[], TrainState]:
     """A constructor of the TrainState of `build_model()`'s policy and, when `critic` is
     given, its critic: a value head, on a second `build_model()` (the policy's weights) for
     a separate critic, trained by optim's schedule at `critic.lr`."""
     if critic is None:
-        return lambda: TrainState(build_model(), tx)
+        return lambda: TrainState(build_model(), tx,
+                                  adaptive_entropy_coef=adaptive_entropy_coef)
 
     def make_critic() -> Critic:
         model = build_model() if critic.kind == "separate" else None
@@ -123,29 +136,32 @@ def _with_critic(build_model: Callable[[], nnx.Module], tx: optax.GradientTransf
     mask = weight_decay_mask(nnx.state(nnx.eval_shape(make_critic), nnx.Param))
     critic_tx = make_optimizer(dataclasses.replace(optim_cfg, lr=critic.lr or optim_cfg.lr),
                                mask)
-    return lambda: TrainState(build_model(), tx, make_critic(), critic_tx)
+    return lambda: TrainState(build_model(), tx, make_critic(), critic_tx, adaptive_entropy_coef)
 
 
 def create_train_state(build_model: Callable[[], nnx.Module], optim_cfg: OptimSection,
                        mesh: Mesh, rules: AxisRules,
-                       critic: CriticSection | None = None) -> TrainState:
+                       critic: CriticSection | None = None,
+                       adaptive_entropy_coef: float | None = None) -> TrainState:
     """The policy from `build_model()` (which seeds its own RNG) and its optimizer state,
     created straight into `rules` on `mesh`; with `critic` (algo.advantage gae) the critic
-    and its optimizer too (a separate critic's trunk: another `build_model()`).
+    and its optimizer too (a separate critic's trunk: another `build_model()`); with
+    `adaptive_entropy_coef`, that coefficient's state (`TrainState`).
     """
     # The decay mask needs the parameters' logical axes, which the optimizer never sees.
     abstract = nnx.eval_shape(build_model)
     mask = weight_decay_mask(nnx.state(abstract, trainable(abstract)))
     tx = make_optimizer(optim_cfg, mask)
-    return create_sharded(_with_critic(build_model, tx, optim_cfg, critic), mesh, rules)
+    return create_sharded(_with_critic(build_model, tx, optim_cfg, critic,
+                                       adaptive_entropy_coef), mesh, rules)
 
 
 def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mesh,
                            rules: AxisRules, critic: CriticSection | None = None,
-                           ) -> TrainState:
+                           adaptive_entropy_coef: float | None = None) -> TrainState:
     """A TrainState around an already built (loaded) policy, its optimizer state created
     straight into `rules` on `mesh`; with `critic`, the critic too (a separate critic's
-    trunk a copy of the policy's weights).
+    trunk a copy of the policy's weights); `adaptive_entropy_coef` as `create_train_state`.
 
     The model's arrays are donated to the program that builds the state: `model` must not be
     used afterwards (use the returned state's `.model`).
@@ -157,7 +173,7 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
     def build(state):
         # copy=True: a separate critic's trunk gets Variables of its own, not the policy's.
         return nnx.split(_with_critic(lambda: nnx.merge(graphdef, state, copy=True), tx,
-                                      optim_cfg, critic)())
+                                      optim_cfg, critic, adaptive_entropy_coef)())
 
     ts_graphdef, abstract = jax.eval_shape(build, state)
     shardings = state_shardings(abstract, mesh, rules)

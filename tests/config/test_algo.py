@@ -5,6 +5,7 @@ import pytest
 from jaxrl.config import AlgoSection, ConfigError, OptimSection, load_config
 from jaxrl.config.algo import resolve_logprob_chunk
 from jaxrl.config.critic import CriticSection
+from jaxrl.rl import PolicyLossConfig
 
 
 def test_config_is_validated_with_field_and_value():
@@ -21,7 +22,11 @@ def test_config_is_validated_with_field_and_value():
                           (dict(entropy_decay_steps=0), "algo.entropy_decay_steps.*0"),
                           (dict(entropy_decay_start=5),
                            "algo.entropy_decay_start must be None when algo.loss.entropy_coef "
-                           "is 0.*got 5")):
+                           "is 0.*got 5"),
+                          (dict(entropy_decay_start=5, loss=PolicyLossConfig(
+                              entropy_coef=0.1, entropy_target=0.5)),
+                           "algo.entropy_decay_start must be None when algo.loss.entropy_target"
+                           )):
         with pytest.raises(ValueError, match=match):
             AlgoSection(**kwargs)
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 16 rows"):
@@ -94,3 +99,14 @@ def test_gae_loads_with_its_critic_and_is_refused_in_async_mode():
         AlgoSection(advantage="gae", mode="async")
     with pytest.raises(ConfigError, match=r"critic\.kind.*'both'.*'separate', 'value_head'"):
         load_config(AlgoSection, None, ["critic.kind=both"])
+
+
+def test_loss_variants_load_from_dotted_overrides():
+    cfg = load_config(AlgoSection, None, [
+        "loss.surrogate=cispo", "loss.cispo_ratio_cap=4.0", "loss.kl_estimator=k3_ratio",
+        "loss.beta=0.01", "loss.entropy_aggregation=tokens", "loss.top_entropy_quantile=0.2",
+        "loss.off_policy_kl_threshold=0.5", "loss.aggregation=seq_mean_token_sum"])
+    assert (cfg.loss.surrogate, cfg.loss.kl_estimator, cfg.loss.off_policy_kl_threshold) == (
+        "cispo", "k3_ratio", 0.5)
+    with pytest.raises(ConfigError, match="surrogate"):
+        load_config(AlgoSection, None, ["loss.surrogate=ppo"])

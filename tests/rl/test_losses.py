@@ -229,6 +229,8 @@ def test_bad_config_names_the_field_and_value(field, value):
     (PolicyLossConfig(correction="decoupled"), "correction='decoupled'.*sampler_logp_BxT"),
     (PolicyLossConfig(aggregation="seq_mean_token_sum_norm"), "max_completion_len"),
     (PolicyLossConfig(entropy_coef=0.1), "entropy_coef=0.1 .*entropy_BxT"),
+    (PolicyLossConfig(entropy_target=0.5), "entropy_target=0.5.*entropy_BxT"),
+    (PolicyLossConfig(top_entropy_quantile=0.2), "top_entropy_quantile.*entropy_BxT"),
 ])
 def test_missing_inputs_are_errors(cfg, message):
     with pytest.raises(ValueError, match=message):
@@ -249,3 +251,84 @@ def test_per_token_advantages_weight_each_token():
     np.testing.assert_allclose(loss, 0.72 / 6, rtol=1e-5)
     # Clipped (strictly smaller clipped branch): row 0 tokens 0 and 1, row 1 token 1.
     np.testing.assert_allclose(metrics["clip_frac"], 3 / 6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(surrogate="clip"), "surrogate must be one of"),
+    (dict(entropy_aggregation="mean"), "entropy_aggregation must be one of"),
+    (dict(kl_estimator="k3_rat"), "kl_estimator must be one of"),
+    (dict(negative_adv_ratio_cap=1.1, epsilon_high=0.28), r"negative_adv_ratio_cap .*> 1 \+"),
+    (dict(negative_adv_ratio_cap=3.0, surrogate="cispo"), "negative_adv_ratio_cap .*ppo_clip"),
+    (dict(cispo_ratio_cap=0.0), "cispo_ratio_cap must be finite and > 0"),
+    (dict(sapo_temperature_neg=-1.0), "sapo_temperature_neg must be"),
+    (dict(vespo_k_pos=-1.0), "vespo_k_pos must be finite and >= 0"),
+    (dict(surrogate="vespo", importance_level="sequence"), "importance_level must be 'token'"),
+    (dict(off_policy_kl_threshold=-0.1), "off_policy_kl_threshold must be"),
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in"),
+    (dict(entropy_target=-1.0), "entropy_target must be finite and >= 0"),
+    (dict(entropy_coef_delta=0.0), "entropy_coef_delta must be finite and > 0"),
+    (dict(entropy_target=0.5, entropy_coef_min=0.5, entropy_coef_max=0.1),
+     "entropy_coef_min=0.5 must be <= entropy_coef_max=0.1"),
+    (dict(entropy_target=0.5, top_entropy_quantile=0.2), "top_entropy_quantile must be 1"),
+])
+def test_bad_variant_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyLossConfig(**kwargs)
+
+
+VARIANTS = [dict(surrogate="cispo", cispo_ratio_cap=1.2), dict(surrogate="sapo"),
+            dict(surrogate="vespo", tis_cap=2.0), dict(negative_adv_ratio_cap=1.4),
+            dict(off_policy_kl_threshold=0.0), dict(top_entropy_quantile=0.5),
+            dict(beta=0.1, kl_estimator="k3_ratio"),
+            dict(entropy_coef=0.1, entropy_aggregation="tokens"),
+            dict(importance_level="sequence", aggregation="seq_mean_token_sum")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_variants_jit_equals_eager_and_padding_has_zero_gradient(variant):
+    # Garbage at a padding position (ratio e^1000) gives finite values and exactly 0 there.
+    cfg = PolicyLossConfig(**variant)
+    mask = MASK.at[1, 2].set(0)
+    logp = LOGP.at[1, 2].set(1000.0)
+    kw = dict(ref_logp_BxT=OLD - 0.1, sampler_logp_BxT=OLD + 0.2, max_completion_len=3)
+
+    def loss(lp, entropy):
+        return policy_loss(lp, OLD, ADV, mask, cfg, entropy_BxT=entropy, **kw)
+
+    entropy = jnp.array([[0.5, 2.0, 1.0], [1.5, 0.2, 9.0]])
+    eager, grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(logp, entropy)
+    jitted = jax.jit(loss)(logp, entropy)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 jitted, eager)
+    assert np.isfinite(eager[0]) and all(np.isfinite(g).all() for g in grads)
+    assert float(grads[0][1, 2]) == 0.0 and float(grads[1][1, 2]) == 0.0
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if "top_entropy_quantile" not in v],
+                         ids=lambda v: "-".join(map(str, v.values())))
+def test_variants_microbatches_sum_to_the_batch(variant):
+    # With the batch's counts, the two rows' losses and gradients sum to the batch's (the
+    # top-entropy quantile is taken over each call's own tokens: not accumulable).
+    cfg = PolicyLossConfig(**variant)
+    mask = MASK.at[1, 2].set(0)
+    entropy = jnp.array([[0.5, 2.0, 1.0], [1.5, 0.2, 9.0]])
+    kw = dict(ref_logp_BxT=OLD - 0.1, sampler_logp_BxT=OLD + 0.2, entropy_BxT=entropy,
+              max_completion_len=3, num_tokens=jnp.sum(mask), num_seqs=2)
+
+    def loss(lp, rows):
+        return policy_loss(lp, OLD[rows], ADV[rows], mask[rows], cfg,
+                           **{k: v[rows] if k.endswith("BxT") else v for k, v in kw.items()})[0]
+
+    whole, whole_grad = jax.value_and_grad(loss)(LOGP, slice(None))
+    parts = [jax.value_and_grad(loss)(LOGP[i:i + 1], slice(i, i + 1)) for i in range(2)]
+    np.testing.assert_allclose(sum(p[0] for p in parts), whole, rtol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate([p[1] for p in parts]), whole_grad, atol=1e-6)
+
+
+def test_cispo_keeps_a_gradient_where_ppo_clips():
+    # Ratio 1.5 with A = +1 is clipped by PPO (no gradient); CISPO weighs its log-prob by
+    # sg(min(1.5, 1.2)) = 1.2: d/dlogp = -1.2 / 6 (token mean over 6 tokens).
+    cfg = PolicyLossConfig(surrogate="cispo", cispo_ratio_cap=1.2)
+    grad = jax.grad(lambda lp: policy_loss(lp, OLD, ADV, MASK, cfg)[0])(LOGP)
+    np.testing.assert_allclose(grad[0, 0], -1.2 / 6, rtol=1e-5)
+    np.testing.assert_allclose(grad[0, 1], -0.5 / 6, rtol=1e-5)  # below the cap: the ratio

@@ -71,8 +71,9 @@ def _run(cfg: AlgoSection, layout: str = "single", steps: int = 1):
     """(params after each step as numpy, step counter, metrics of each step, Step, state)."""
     mesh = _mesh(layout)
     layout_ = load_layout(layout)
+    adaptive = cfg.loss.entropy_coef if cfg.loss.entropy_target is not None else None
     ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM, mesh,
-                            layout_.train_rules)
+                            layout_.train_rules, adaptive_entropy_coef=adaptive)
     sharded = layout != "single"
     sampler = Sampler(nnx.graphdef(ts.model), SAMPLER, mesh=mesh if sharded else None,
                       rules=layout_.rollout_rules if sharded else None)
@@ -289,6 +290,21 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
     for i, coef in enumerate((0.5, 0.5, 0.25, 0.0)):
         state, _ = steps[coef](state, *_inputs(i))
     _assert_close(_params(nnx.merge(graphdef, state)), params[-1])
+
+
+def test_the_adaptive_entropy_coefficient_is_kept_with_the_optimizer():
+    # Entropy always below the target 100: from 0.1 the coefficient rises by 0.05 an update,
+    # to at most 0.22; two updates a step, the metric is their mean; the state keeps the
+    # coefficient and the last update's entropy.
+    cfg = dataclasses.replace(BASE, num_minibatches=2, loss=PolicyLossConfig(
+        tis_cap=2.0, entropy_coef=0.1, entropy_target=100.0, entropy_coef_delta=0.05,
+        entropy_coef_max=0.22))
+    _, count, history, _, state = _run(cfg, steps=2)
+    assert count == 4
+    np.testing.assert_allclose([m["entropy_coef"] for m in history], [0.175, 0.22], rtol=1e-6)
+    kept = state["optimizer"]
+    np.testing.assert_allclose(kept["entropy_coef"][...], 0.22, rtol=1e-6)
+    np.testing.assert_allclose(kept["last_entropy"][...], history[-1]["entropy"], rtol=0.5)
 
 
 @pytest.mark.parametrize("minibatches", [1, 2])  # a conditional; a select inside the loop
