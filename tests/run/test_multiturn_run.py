@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.data.tasks.tool_multiplication import answer_reward, tool_call_reward
+from jaxrl.envs.base import Observation
 from jaxrl.run.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,3 +109,26 @@ def test_tool_task_learns_to_call_the_calculator(tmp_path):
     assert first["tool/calls_per_sample"] < 0.5 and mean("tool/calls_per_sample") > 0.9
     assert first["reward/tool_call"] < 0.02 and mean("reward/tool_call") > 0.1
     assert mean("turns/mean") > 1.8
+
+
+class _QuarterEnv:
+    """Ends every episode after its first turn with the reward 0.25."""
+
+    def step(self, turn):
+        return Observation(done=True, reward=0.25)
+
+
+def quarter_env(tools_config, tokenizer):
+    """A user's environment builder, as data.env names it ("module:attribute")."""
+    return lambda row: _QuarterEnv()
+
+
+def test_a_user_environment_reward_joins_the_task_rewards(tmp_path):
+    code = main(["train", QUICKSTART, f"train.run_dir={tmp_path}", "train.max_steps=1",
+                 "eval.num_prompts=0", "train.save_final=false",
+                 "data.env=tests.run.test_multiturn_run:quarter_env", "rollout.max_turns=2",
+                 *SMALL])
+    assert code == 0
+    record = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert record["reward/env"] == 0.25 and record["turns/mean"] == 1
+    assert record["reward/mean"] == pytest.approx(record["reward/addition"] + 0.25, abs=1e-6)
