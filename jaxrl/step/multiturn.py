@@ -25,8 +25,8 @@ Metrics added to each step (host values): `turns/mean`, `tool/calls_per_sample`,
 `tool/errors`, `tool/timeouts` (per sample), `tool/latency_s` (mean seconds per call),
 `env/time_s` (seconds in environments, summed over calls), `env/wait_s` (seconds the decode
 loop had no slot to run because every busy one waited on its environment),
-`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time, which includes
-waiting for the previous step's train program, dispatched asynchronously, to finish).
+`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time, from the moment
+the previous step's updates are done).
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ class MultiTurnStep(Step):
         """Phases (1) and (2): the train program's (rollout, reward inputs, host values) and
         the host metrics."""
         g, e = self.sampler.config.num_generations, self.episodes
+        # The rollout's first operation would wait for the previous step's updates anyway;
+        # waiting here keeps that wait out of time/rollout_s.
+        state = jax.block_until_ready(state)
         model = nnx.merge(self.graphdef, state).model
         rows_B = np.repeat(np.asarray(rows_P), g)
         envs = [e.make_env(e.rows[int(r)]) for r in rows_B]
