@@ -91,9 +91,10 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         started = time.perf_counter()
         while signals.name is None and not stop.is_set():  # polled (`_Signals`)
             time.sleep(0.2)
-        console.print(f"[bold]serve[/]: {signals.name or 'stop'} received: draining (up to "
-                      f"{serve.drain_timeout_s:g}s; a second Ctrl-C stops at once)")
-        server.drain(serve.drain_timeout_s)
+        received = signals.name or "stop"
+        server.drain(serve.drain_timeout_s, on_refusing=lambda: console.print(
+            f"[bold]serve[/]: {received} received: draining (up to {serve.drain_timeout_s:g}s; "
+            f"new requests are refused; a second Ctrl-C stops at once)"))
     finally:
         server.close()  # after an error or a second signal: requests in flight are cut
         signals.restore()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -157,10 +158,19 @@ class Server:
     def start(self) -> None:
         self._call(self._grpc.start())
 
-    def drain(self, timeout_s: float) -> None:
+    def drain(self, timeout_s: float, on_refusing: Callable[[], None] | None = None) -> None:
         """Refuses new requests, lets those in flight finish for up to `timeout_s` seconds,
-        then stops the orchestrator and the event loop."""
-        self._call(self._grpc.stop(grace=timeout_s))
+        then stops the orchestrator and the event loop. `on_refusing` runs once new requests
+        are refused (gRPC's stop marks the server as shutting down before its first await),
+        so an announcement made there is never ahead of the refusal."""
+        async def stop():
+            stopping = asyncio.ensure_future(self._grpc.stop(grace=timeout_s))
+            await asyncio.sleep(0)  # stop() has run up to its first await: refusing now
+            if on_refusing is not None:
+                on_refusing()
+            await stopping
+
+        self._call(stop())
         self.close()
 
     def close(self) -> None:
