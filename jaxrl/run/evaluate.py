@@ -49,12 +49,11 @@ from jaxrl.config import EvalSection
 from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
 from jaxrl.rollout import Rollout, Sampler, SamplerConfig
-from jaxrl.rollout.multiturn import rollout_multiturn
 from jaxrl.run.episodes import RowView, env_spec, prompt_tools
 from jaxrl.run.run_dir import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
-from jaxrl.step.multiturn import Episodes, MultiTurnStep, canonical_rollout
+from jaxrl.step.multiturn import MultiTurnStep, run_episodes
 from jaxrl.step.phases import reward_inputs
 
 if TYPE_CHECKING:
@@ -144,9 +143,9 @@ class Evaluator:
             self._host_rows = functools.partial(score_host_rows, rewards, mesh=run.mesh)
 
     def _multiturn(self, params, prompts_B, rows_B, keys_B) -> Rollout:
-        return _multiturn_rollout(self.sampler.graphdef, self._episodes,
-                                  self.cfg.sampling_params(), params, prompts_B, rows_B, keys_B,
-                                  self.cfg.num_samples)
+        model = nnx.merge(self.sampler.graphdef, params)
+        return run_episodes(model, self._episodes, prompts_B, rows_B, keys_B,
+                            self.cfg.sampling_params(), self.cfg.num_samples)[1]
 
     @property
     def num_prompts(self) -> int:
@@ -185,21 +184,6 @@ class Evaluator:
                 **{f"eval/pass@{k}": float(pass_at_k(c_N, n, k).mean()) for k in self.cfg.k},
                 "eval/num_prompts": float(num),
                 "eval/num_samples": float(n)}
-
-
-def _multiturn_rollout(graphdef: nnx.GraphDef, episodes: Episodes, sampling, params,
-                       prompts_B, rows_B, keys_B, n: int) -> Rollout:
-    """n multi-turn samples of each prompt (`jaxrl.rollout.multiturn`), as the train step
-    makes them, with the evaluation's sampling."""
-    model = nnx.merge(graphdef, params)
-    ids_BxP, mask_BxP = (np.repeat(np.asarray(x), n, axis=0) for x in prompts_B)
-    envs = [episodes.make_env(episodes.rows[int(r)]) for r in np.repeat(np.asarray(rows_B), n)]
-    out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, episodes.encode, episodes.decode,
-                            keys_B, episodes.config, sampling, num_generations=n)
-    r = out.rollout
-    return canonical_rollout(prompts_B, n, r.completion_ids_BxC, r.completion_mask_BxC,
-                             r.logp_BxC, r.logp_raw_BxC, r.num_steps, r.decode_slot_steps,
-                             out.observation_mask_BxC)
 
 
 def append_eval(run_dir: Path, step: int | None, metrics: dict[str, float]) -> Path:

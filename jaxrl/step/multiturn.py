@@ -120,18 +120,9 @@ class MultiTurnStep(Step):
         # The rollout's first operation would wait for the previous step's updates anyway;
         # waiting here keeps that wait out of time/rollout_s.
         state = jax.block_until_ready(state)
-        model = nnx.merge(self.graphdef, state).model
-        rows_B = np.repeat(np.asarray(rows_P), g)
-        envs = [e.make_env(e.rows[int(r)]) for r in rows_B]
-        ids_BxP, mask_BxP = (np.repeat(np.asarray(x), g, axis=0) for x in prompts)
-        out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, e.encode,
-                                e.decode, key, e.config, self.sampler.config.sampling,
-                                num_generations=g)
+        out, rollout = run_episodes(nnx.merge(self.graphdef, state).model, e, prompts,
+                                    rows_P, key, self.sampler.config.sampling, g)
         self.last_rollout = out
-        r = out.rollout
-        rollout = canonical_rollout(prompts, g, r.completion_ids_BxC, r.completion_mask_BxC,
-                                    r.logp_BxC, r.logp_raw_BxC, r.num_steps,
-                                    r.decode_slot_steps, out.observation_mask_BxC)
         inputs = reward_inputs(rollout, fields_P, rows_P, g)
         if self.env_rewards:  # per sample already: not repeated per prompt
             inputs.fields[ENV_REWARD_FIELD] = jnp.asarray(out.reward_B, jnp.float32)
@@ -161,6 +152,22 @@ class MultiTurnStep(Step):
         if self.env_rewards:
             inputs.fields[ENV_REWARD_FIELD] = jnp.zeros((b,), jnp.float32)
         return rollout, inputs
+
+
+def run_episodes(model, episodes: Episodes, prompts: Prompts, rows_P, key: jax.Array,
+                 sampling, group_size: int) -> tuple[MultiTurnRollout, Rollout]:
+    """G episodes of each prompt, each with the environment of its dataset row: the host
+    loop's whole result and the rollout as the train program takes it (training and
+    evaluation both run episodes through here)."""
+    e, g = episodes, group_size
+    envs = [e.make_env(e.rows[int(r)]) for r in np.repeat(np.asarray(rows_P), g)]
+    ids_BxP, mask_BxP = (np.repeat(np.asarray(x), g, axis=0) for x in prompts)
+    out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, e.encode, e.decode, key, e.config,
+                            sampling, num_generations=g)
+    r = out.rollout
+    return out, canonical_rollout(prompts, g, r.completion_ids_BxC, r.completion_mask_BxC,
+                                  r.logp_BxC, r.logp_raw_BxC, r.num_steps,
+                                  r.decode_slot_steps, out.observation_mask_BxC)
 
 
 def canonical_rollout(prompts: Prompts, group_size: int, completion_ids_BxC, completion_mask_BxC,
