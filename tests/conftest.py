@@ -1,4 +1,14 @@
-"""Test setup: 8 fake CPU devices (before jax is imported) and tiny model configs."""
+"""Test setup: 8 fake CPU devices (before jax is imported), one XLA compilation cache for
+every test process of the machine, the tiers, and tiny model configs.
+
+Tiers (markers registered in pyproject.toml; `pytest` alone runs the fast tier, README's
+"Tests" lists the commands): `process` starts `jaxrl` or a Python that imports jaxrl (signals
+and resume, several processes, launchers, the console script, failures seen from outside),
+`learning` trains until a reward or an accuracy threshold, `packaging` builds a wheel or an
+environment. A test carries one of them at most, so the tiers split the suite; `.ci/run`
+checks that its tier runs ran every collected test exactly once (each run appends the node
+ids it ran to the file named by JAXRL_TESTS_RAN).
+"""
 
 import os
 import tempfile
@@ -8,7 +18,8 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the `jaxrl` processes some of them start, which inherit the environment)
-# compile the same small programs: XLA's persistent cache compiles each once per machine.
+# compile the same small programs: XLA's persistent cache compiles each once per machine,
+# shared by the xdist workers, the tiers, and every clone (tests/compile_stats.py counts).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"jaxrl-tests-xla-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
@@ -20,6 +31,12 @@ configure_xla()  # as the jaxrl command does
 import pytest  # noqa: E402
 
 from jaxrl.models.config import tiny_config as make_tiny_config  # noqa: E402
+from tests import compile_stats  # noqa: E402
+
+TIERS = ("process", "learning", "packaging")
+compile_stats.listen()
+_CACHE_ENTRIES_AT_START = compile_stats.cache_entries(os.environ["JAX_COMPILATION_CACHE_DIR"])
+_compile_totals: dict[str, float] = {}
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
@@ -28,3 +45,41 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 def tiny_config():
     """Factory fixture: `tiny_config("qwen3", scan_layers=True)`."""
     return make_tiny_config
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test belongs to one tier at most: with two it would run in both tiers' CI runs."""
+    for item in items:
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
+        if len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(tiers)}: a test "
+                                    f"belongs to one tier at most (one of {', '.join(TIERS)})")
+
+
+def pytest_runtest_logreport(report):
+    """Appends each test run to $JAXRL_TESTS_RAN (once, at its teardown; not from xdist's
+    workers, whose reports reach the controller too)."""
+    ran = os.environ.get("JAXRL_TESTS_RAN")
+    if ran and report.when == "teardown" and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        with open(ran, "a", encoding="utf-8") as f:
+            f.write(report.nodeid + "\n")
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # an xdist worker: its counts go to the controller
+        session.config.workeroutput["compile_stats"] = compile_stats.counts()
+    else:
+        compile_stats.add(_compile_totals, compile_stats.counts())
+
+
+def pytest_testnodedown(node, error):
+    compile_stats.add(_compile_totals, getattr(node, "workeroutput", {}).get("compile_stats", {}))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not hasattr(config, "workerinput") and _compile_totals:
+        terminalreporter.write_line(compile_stats.summary(
+            _compile_totals, os.environ["JAX_COMPILATION_CACHE_DIR"], _CACHE_ENTRIES_AT_START))
+        for line in compile_stats.top_programs(
+                _compile_totals, int(os.environ.get("JAXRL_COMPILE_REPORT", "0"))):
+            terminalreporter.write_line(line)

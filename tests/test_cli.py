@@ -35,6 +35,7 @@ def test_layout_that_does_not_fit_the_devices_exits_2(tmp_path, capsys):
     assert "needs 3 devices" in err and "8 are available" in err
 
 
+@pytest.mark.process
 def test_console_script_as_the_readme_runs_it():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     jaxrl = Path(sys.executable).parent / "jaxrl"
@@ -125,6 +126,7 @@ def test_debug_shows_the_traceback(monkeypatch, capsys):
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("content, words", [
     ("- a\n- b\n", ["must hold a mapping of keys", "got a YAML list"]),
     ("train:\n  max_steps: [\n", ["is not valid YAML at line 3, column 1"]),

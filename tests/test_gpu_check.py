@@ -9,6 +9,7 @@ import venv
 from pathlib import Path
 
 import jax
+import pytest
 
 from jaxrl.config import ExperimentConfig, load_config
 
@@ -28,6 +29,7 @@ def _run(out: Path, python: str, tmp_path: Path, *args: str,
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.process
 def test_tiny_check_writes_bench_json_and_summary(tmp_path):
     out = tmp_path / "out"
     result = _run(out, sys.executable, tmp_path, "--tiny")
@@ -61,6 +63,7 @@ def test_tiny_check_writes_bench_json_and_summary(tmp_path):
         "[gpu_check"), log[-2000:]
 
 
+@pytest.mark.process
 def test_missing_dependencies_fail_fast_by_name(tmp_path):
     venv.create(tmp_path / "bare", with_pip=False)  # a Python without jaxrl's dependencies
     out = tmp_path / "out"
@@ -77,6 +80,7 @@ def test_missing_dependencies_fail_fast_by_name(tmp_path):
     assert "omegaconf" in (out / "log.txt").read_text()
 
 
+@pytest.mark.process
 def test_gpu_run_without_a_gpu_stops_before_the_bench(tmp_path):
     out = tmp_path / "out"
     # JAX_PLATFORMS=cpu: JAX sees no GPU even where there is one, so nothing big ever runs.

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
 
+@pytest.mark.process
 def test_a_huge_max_new_tokens_is_refused_before_xla_sees_it(tmp_path):
     # XLA aborts the process on shapes this large ("overflow in static extent product").
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

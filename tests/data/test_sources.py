@@ -197,6 +197,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.process
 def test_a_dataset_name_loads_offline_from_the_local_cache(tmp_path):
     home = tmp_path / "hf_home"
     (home / "datasets").mkdir(parents=True)

@@ -23,6 +23,8 @@ import pytest
 
 from jaxrl.run.metrics_log import read_metrics
 
+pytestmark = pytest.mark.process  # each test starts several `jaxrl` processes
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "launch" / "local_multiprocess.sh"
 QUICKSTART = "configs/quickstart.yaml"

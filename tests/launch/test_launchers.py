@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # the launchers run, over stand-in gcloud and srun
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
 TPU_POD = LAUNCH / "tpu_pod.sh"

@@ -114,6 +114,7 @@ def _jit_with(xla_flags: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.process
 def test_this_jaxlib_accepts_the_cpu_and_gpu_tables():
     """XLA_FLAGS is parsed into one DebugOptions for every backend, so the CPU jaxlib checks
     the GPU table's names too; a made-up flag shows that the check would fail."""
@@ -137,6 +138,7 @@ print(json.dumps({"ok": ok, "rolled": rolled, "unrolled": draw()}))
 """
 
 
+@pytest.mark.process
 def test_unrolled_cpu_threefry_draws_the_same_bits_without_a_loop():
     out = subprocess.run([sys.executable, "-c", _THREEFRY], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)

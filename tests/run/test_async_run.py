@@ -16,7 +16,7 @@ from jaxrl.config import ConfigError, ExperimentConfig, RunDirError, load_config
 from jaxrl.run import loop
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
-from tests.run.test_loop import _console
+from tests.run.test_loop import PHASE_TIMES, _console
 from tests.run.test_resume import _finish, _wait_for_steps, _without_timing
 from tests.test_shipped_configs import ROOT
 
@@ -24,7 +24,7 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 SMALL = ["data.batch_size=8", "data.num_prompts=64", "rollout.num_generations=4",
          "algo.num_minibatches=2", "algo.num_iterations=1", "eval.num_prompts=0",
          "log.print_every=1", "log.plot=false", "log.tensorboard=false",
-         "train.save_final=false", "perf.count_flops=false", "perf.phase_times=true"]
+         "train.save_final=false", "perf.count_flops=false"]
 ASYNC = ["algo.mode=async", "sharding.rollout_devices=4"]
 LEARN_STEPS = 1400  # async k=1 / k=2 reached 0.8 at steps 928 / 1,176 (benchmarks/README.md)
 # Not compared between runs: wall-clock times, and what only the async mode reports.
@@ -41,7 +41,8 @@ def _train(tmp_path, name, *overrides):
 def test_staleness_zero_gives_the_fused_runs_metrics_for_5_steps(tmp_path):
     steps = ["train.max_steps=5", "data.curriculum=pass_rate"]
     fused = _train(tmp_path, "fused", *steps)
-    asynchronous = _train(tmp_path, "async", *steps, *ASYNC, "algo.max_staleness=0")
+    asynchronous = _train(tmp_path, "async", *steps, *ASYNC, "algo.max_staleness=0",
+                          PHASE_TIMES)
     assert len(fused) == len(asynchronous) == 5
     for want, got in zip(fused, asynchronous, strict=True):
         assert got["async/staleness_max"] == 0 and got["async/weight_sync_bytes"] > 0
@@ -84,6 +85,7 @@ def _start(run_dir, *overrides):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.process
 def test_sigkill_then_resume_gives_the_uninterrupted_async_metrics(tmp_path):
     steps = ["train.max_steps=20", "train.checkpoint_every=4", "data.curriculum=pass_rate",
              "algo.max_staleness=2"]
@@ -157,6 +159,7 @@ def test_rollout_devices_must_be_a_count_or_a_fraction(value, shown):
     assert cfg.sharding.rollout_share == 0.25
 
 
+@pytest.mark.learning
 def test_staleness_one_and_two_learn_the_quickstart_task(tmp_path):
     """The shipped quickstart as it is (2-digit addition, 32 prompts x 8 samples, 16 updates
     per step), async on 4 + 4 devices with truncated importance weights (cap 2): a mean reward
@@ -179,6 +182,7 @@ def test_staleness_one_and_two_learn_the_quickstart_task(tmp_path):
         assert max(r["async/staleness_max"] for r in records) == k
 
 
+@pytest.mark.process
 def test_sigterm_stops_both_sides_after_a_step_with_the_queue_saved(tmp_path):
     process = _start(tmp_path, "train.max_steps=100000", "train.checkpoint_every=1000",
                      "algo.max_staleness=2")

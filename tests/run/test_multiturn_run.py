@@ -88,6 +88,7 @@ def test_tool_task_rewards_by_hand():
     assert tool_call_reward("", "<call>4821*73", fields) == pytest.approx(8 / 11)
 
 
+@pytest.mark.learning
 def test_tool_task_learns_to_call_the_calculator(tmp_path):
     """The shipped config, shortened (the full curve is in benchmarks/README.md): in 60 steps
     the random policy goes from calling the calculator in a third of its samples, with

@@ -11,8 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
+
+pytestmark = pytest.mark.process  # each test starts `jaxrl train` and signals it
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")

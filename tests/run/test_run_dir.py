@@ -26,6 +26,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
             for p in sorted(folder.rglob("*"))}
 
 
+@pytest.mark.process
 def test_train_refuses_an_unrelated_folder_and_leaves_every_byte(tmp_path):
     folder = tmp_path / "mine"
     (folder / "sub").mkdir(parents=True)
@@ -128,6 +129,7 @@ def _as_a_user(argv: list[str]) -> list[str]:
     return ["setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}", *argv]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["read-only run dir", "under a read-only parent"])
 def test_a_folder_that_cannot_be_written_is_refused_by_name(tmp_path, where):
     locked = tmp_path / "locked"

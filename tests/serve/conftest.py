@@ -1,7 +1,7 @@
 """tests/serve needs the jetstream extra (`pip install -e '.[jetstream]'`). `.ci/run` runs
-this folder in a second environment that has it; in the core environment, without the
-extra, the folder is not collected (tests/test_optional_extras.py checks the core without
-it)."""
+this folder, every tier of it, in a second environment that has it; in the core environment,
+without the extra, the folder is not collected (test_optional_extra.py checks, with JetStream
+installed, that no core module imports it)."""
 
 import dataclasses
 import importlib.util

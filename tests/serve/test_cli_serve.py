@@ -15,6 +15,8 @@ import pytest
 
 from jaxrl.serve.jetstream import jetstream_pb2, jetstream_pb2_grpc
 
+pytestmark = pytest.mark.process  # each test starts `jaxrl serve`
+
 MAX_TOKENS = 300
 
 

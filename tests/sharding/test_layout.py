@@ -161,6 +161,7 @@ def test_dcn_multiplies_device_count_check():
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.packaging
 def test_wheel_ships_presets_and_every_module(tmp_path):
     # Build from a copy so no build/ or egg-info lands in the working tree.
     src = tmp_path / "src"

@@ -80,7 +80,7 @@ def _run(cfg: AlgoSection, layout: str = "single", steps: int = 1):
     graphdef, state = nnx.split(ts)
     step = build_step(cfg, graphdef, sampler, REWARDS, optim=OPTIM,
                       mesh=mesh if sharded else None,
-                      rules=layout_.train_rules if sharded else None)
+                      rules=layout_.train_rules if sharded else None, phase_times=False)
     history, params = [], []
     for i in range(steps):
         state, out = step(state, *_inputs(i))
@@ -162,7 +162,7 @@ def test_iterations_and_minibatches_count_updates():
     ref = reference_params(ts)
     graphdef, state = nnx.split(ts)
     step = build_step(cfg, graphdef, Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS,
-                      optim=OPTIM)
+                      optim=OPTIM, phase_times=False)
     state, out = step(state, *_inputs(0), ref_params=ref)
     assert int(nnx.merge(graphdef, state).step) == 4
     # After the first update the policy moved away from the reference: KL > 0.
@@ -286,7 +286,8 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
                             _mesh("single"), load_layout("single").train_rules)
     graphdef, state = nnx.split(ts)
     steps = {coef: build_step(algo(coef), graphdef, Sampler(nnx.graphdef(ts.model), SAMPLER),
-                              REWARDS, optim=OPTIM) for coef in (0.5, 0.25, 0.0)}  # 3 compiles
+                              REWARDS, optim=OPTIM, phase_times=False)
+             for coef in (0.5, 0.25, 0.0)}  # 3 compiles
     for i, coef in enumerate((0.5, 0.5, 0.25, 0.0)):
         state, _ = steps[coef](state, *_inputs(i))
     _assert_close(_params(nnx.merge(graphdef, state)), params[-1])
@@ -324,7 +325,8 @@ def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(m
     graphdef, state = nnx.split(ts)
     before = jax.tree.map(np.array, state)
     step = build_step(dataclasses.replace(BASE, num_minibatches=minibatches), graphdef,
-                      Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS, optim=OPTIM)
+                      Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS, optim=OPTIM,
+                      phase_times=False)
     state, out = step(state, *_inputs(0))
     assert int(out.metrics["train/skipped_updates"]) == minibatches
     assert int(out.metrics["train/skipped_in_a_row"]) == 1

@@ -38,7 +38,7 @@ def _run(cfg: AlgoSection, steps: int = 2, params_after=None):
     initial = (_pure(ts.model), _pure(ts.critic))
     sampler = Sampler(nnx.graphdef(ts.model), SAMPLER)
     graphdef, state = nnx.split(ts)
-    step = build_step(cfg, graphdef, sampler, REWARDS, optim=OPTIM)
+    step = build_step(cfg, graphdef, sampler, REWARDS, optim=OPTIM, phase_times=False)
     history = []
     for i in range(steps):
         state, out = step(state, *_inputs(i))

@@ -96,7 +96,8 @@ def _run(layout):
                       rules=lay.rollout_rules if sharded else None)
     graphdef, state = nnx.split(ts)
     step = build_step(AUX, graphdef, sampler, REWARDS, optim=OPTIM,
-                      mesh=mesh if sharded else None, rules=lay.train_rules if sharded else None)
+                      mesh=mesh if sharded else None, rules=lay.train_rules if sharded else None,
+                      phase_times=False)
     state, out = step(state, *_inputs(0))
     return _params(nnx.merge(graphdef, state)), jax.device_get(out.metrics), state
 

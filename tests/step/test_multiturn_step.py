@@ -64,7 +64,7 @@ def _params_after_update(observation_ids, observation_mask=True):
     ts = _train_state()
     sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=C, num_generations=G))
     graphdef, state = nnx.split(ts)
-    step = build_step(ALGO, graphdef, sampler, REWARDS, optim=OPTIM)
+    step = build_step(ALGO, graphdef, sampler, REWARDS, optim=OPTIM, phase_times=False)
     rollout, prompts = _rollout(observation_ids, observation_mask)
     inputs = reward_inputs(rollout, {}, jnp.arange(P, dtype=jnp.int32), G)
     state, out = step._train(state, rollout, inputs, None, None)

@@ -1,12 +1,17 @@
 """The optional `jetstream` extra stays optional: no module of jaxrl outside `jaxrl.serve`
 imports JetStream (or the TensorFlow it pulls in), and `jaxrl serve` without it exits 2 saying
-how to install it. Runs in both CI environments, with and without the extra."""
+how to install it. Runs in the serving environment, which has the extra: there the check that
+no core module imports it can fail, and the message is checked with JetStream hidden."""
 
 import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import jaxrl
+
+pytestmark = pytest.mark.process  # each test starts a Python that imports jaxrl
 
 HIDE_JETSTREAM = """
 import importlib.abc, sys
