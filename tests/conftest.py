@@ -72,6 +72,7 @@ def pytest_sessionfinish(session):
         compile_stats.add(_compile_totals, compile_stats.counts())
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook; the serving environment has no xdist
 def pytest_testnodedown(node, error):
     compile_stats.add(_compile_totals, getattr(node, "workeroutput", {}).get("compile_stats", {}))
 
