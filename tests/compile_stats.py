@@ -45,7 +45,7 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
 
 
 def listen() -> None:
-    """Starts counting this process's compilations (call once, after importing jax)."""
+    """Starts counting this process's compilations (call once per process)."""
     from jax import monitoring
 
     monitoring.register_event_listener(_on_event)
@@ -73,12 +73,12 @@ def cache_entries(folder: str) -> int:
     return sum(1 for name in os.listdir(folder) if name.endswith("-cache"))
 
 
-def summary(total: dict[str, float], folder: str, entries_before: int) -> str:
+def summary(total: dict, folder: str, entries_before: int) -> str:
     """One line for the end of the run."""
     unstored = total["cache_requests"] - total["cache_hits"] - total["cache_writes"]
     return (f"XLA compilations: {total['compiles']:.0f} ({total['compile_s']:.0f} s); "
             f"persistent cache: {total['cache_hits']:.0f} hits (saved "
-            f"{total['saved_s']:.0f} s), {total['cache_writes']:.0f} written, {unstored:.0f} "
+            f"{max(total['saved_s'], 0):.0f} s), {total['cache_writes']:.0f} written, {unstored:.0f} "
             f"compiled and not stored (host callbacks or under the minimum compile time); "
             f"{folder}: {entries_before} -> {cache_entries(folder)} entries")
 

@@ -36,7 +36,7 @@ from tests import compile_stats  # noqa: E402
 TIERS = ("process", "learning", "packaging")
 compile_stats.listen()
 _CACHE_ENTRIES_AT_START = compile_stats.cache_entries(os.environ["JAX_COMPILATION_CACHE_DIR"])
-_compile_totals: dict[str, float] = {}
+_compile_totals: dict = {}  # over this run's processes (tests/compile_stats.py)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
