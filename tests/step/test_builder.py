@@ -50,6 +50,9 @@ REWARDS = RewardSet(
      PythonReward("even_len", lambda prompt, completion, fields: len(completion.split()) % 2,
                   weight=0.5)],
     decode=_decode)
+# For the tests that are about the updates, not the rewards: without the Python reward's host
+# callback their fused programs can be stored in XLA's persistent cache (tests/compile_stats.py).
+JAX_REWARDS = RewardSet([JaxReward("small_ids", _small_ids_reward)], decode=_decode)
 
 
 def _mesh(layout):
@@ -67,7 +70,7 @@ def _inputs(step):
     return prompts, fields, rows, jax.random.key(100 + step)
 
 
-def _run(cfg: AlgoSection, layout: str = "single", steps: int = 1):
+def _run(cfg: AlgoSection, layout: str = "single", steps: int = 1, rewards=REWARDS):
     """(params after each step as numpy, step counter, metrics of each step, Step, state)."""
     mesh = _mesh(layout)
     layout_ = load_layout(layout)
@@ -78,7 +81,7 @@ def _run(cfg: AlgoSection, layout: str = "single", steps: int = 1):
     sampler = Sampler(nnx.graphdef(ts.model), SAMPLER, mesh=mesh if sharded else None,
                       rules=layout_.rollout_rules if sharded else None)
     graphdef, state = nnx.split(ts)
-    step = build_step(cfg, graphdef, sampler, REWARDS, optim=OPTIM,
+    step = build_step(cfg, graphdef, sampler, rewards, optim=OPTIM,
                       mesh=mesh if sharded else None,
                       rules=layout_.train_rules if sharded else None, phase_times=False)
     history, params = [], []
@@ -278,7 +281,7 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
                                    loss=PolicyLossConfig(tis_cap=2.0, entropy_coef=coef))
 
     params, count, history, *_ = _run(
-        algo(0.5, entropy_decay_start=1, entropy_decay_steps=2), steps=4)
+        algo(0.5, entropy_decay_start=1, entropy_decay_steps=2), steps=4, rewards=JAX_REWARDS)
     assert count == 8
     assert [float(m["entropy_coef"]) for m in history] == [0.5, 0.5, 0.25, 0.0]
     # The same four steps, each built with its constant coefficient, give the same policy.
@@ -286,7 +289,7 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
                             _mesh("single"), load_layout("single").train_rules)
     graphdef, state = nnx.split(ts)
     steps = {coef: build_step(algo(coef), graphdef, Sampler(nnx.graphdef(ts.model), SAMPLER),
-                              REWARDS, optim=OPTIM, phase_times=False)
+                              JAX_REWARDS, optim=OPTIM, phase_times=False)
              for coef in (0.5, 0.25, 0.0)}  # 3 compiles
     for i, coef in enumerate((0.5, 0.5, 0.25, 0.0)):
         state, _ = steps[coef](state, *_inputs(i))
@@ -300,7 +303,7 @@ def test_the_adaptive_entropy_coefficient_is_kept_with_the_optimizer():
     cfg = dataclasses.replace(BASE, num_minibatches=2, loss=PolicyLossConfig(
         tis_cap=2.0, entropy_coef=0.1, entropy_target=100.0, entropy_coef_delta=0.05,
         entropy_coef_max=0.22))
-    _, count, history, _, state = _run(cfg, steps=2)
+    _, count, history, _, state = _run(cfg, steps=2, rewards=JAX_REWARDS)
     assert count == 4
     np.testing.assert_allclose([m["entropy_coef"] for m in history], [0.175, 0.22], rtol=1e-6)
     kept = state["optimizer"]
@@ -325,7 +328,7 @@ def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(m
     graphdef, state = nnx.split(ts)
     before = jax.tree.map(np.array, state)
     step = build_step(dataclasses.replace(BASE, num_minibatches=minibatches), graphdef,
-                      Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS, optim=OPTIM,
+                      Sampler(nnx.graphdef(ts.model), SAMPLER), JAX_REWARDS, optim=OPTIM,
                       phase_times=False)
     state, out = step(state, *_inputs(0))
     assert int(out.metrics["train/skipped_updates"]) == minibatches
