@@ -24,9 +24,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"jaxrl-tests-xla-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+from jaxrl.perf.compiler import unroll_cpu_threefry  # noqa: E402
 from jaxrl.runtime import configure_xla  # noqa: E402
 
 configure_xla()  # as the jaxrl command does
+# Also as the jaxrl command does, and before any test: `jaxrl.cli.main` applies it process-wide,
+# so without this a worker's programs lowered threefry one way before its first in-process CLI
+# test and the other way after, and their cache keys depended on the order xdist ran tests in.
+unroll_cpu_threefry()
 
 import pytest  # noqa: E402
 
