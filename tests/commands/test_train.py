@@ -79,15 +79,10 @@ def test_quickstart_learns_in_a_few_dozen_steps(quickstart_base):
 def test_quickstart_learns_with_ppo_and_a_critic(tmp_path):
     """PPO (per-token GAE from a separate critic initialised from the policy) on the
     quickstart task through the CLI: the reward climbs well above chance in 100 steps."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    jaxrl = Path(sys.executable).parent / "jaxrl"
-    result = subprocess.run(
-        [str(jaxrl), "train", QUICKSTART, f"train.run_dir={tmp_path}",
-         f"train.max_steps={LEARNING_STEPS}", "algo.advantage=gae",
-         "algo.mask_zero_std_groups=false", "eval.num_prompts=0", "perf.count_flops=false",
-         "log.plot=false", "log.tensorboard=false", "train.save_final=false"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    summary, _ = _train(tmp_path, f"train.max_steps={LEARNING_STEPS}", "algo.advantage=gae",
+                        "algo.mask_zero_std_groups=false", "eval.num_prompts=0",
+                        "perf.count_flops=false", "log.plot=false", "log.tensorboard=false",
+                        "train.save_final=false", timeout=900)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert len(records) == LEARNING_STEPS
     first = records[0]["reward/mean"]
@@ -100,7 +95,7 @@ def test_quickstart_learns_with_ppo_and_a_critic(tmp_path):
     assert all(np.isfinite(r["value/loss"]) and np.isfinite(r["value/explained_variance"])
                for r in records)
     assert records[0]["value/mean"] == 0 and records[-1]["value/mean"] > 0.2
-    assert json.loads(result.stdout.strip().splitlines()[-1])["step_compilations"] == 1
+    assert summary["step_compilations"] == 1
 
 
 @pytest.mark.learning
