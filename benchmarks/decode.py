@@ -7,6 +7,12 @@ and the micro measurements (prefill tokens/s, one dense decode step).
         --batching continuous --slots 16 --json       # long-tailed lengths, 16 engine slots
     python benchmarks/decode.py --hidden 1536 --layers 28 --heads 12 --kv-heads 2 \\
         --intermediate 8960 --vocab 151936 --dtype bfloat16 --batch 64   # Qwen2.5-1.5B shape
+    python benchmarks/decode.py --devices 8 --layout fsdp --json   # 8 fake CPU devices
+
+--devices N: N fake CPU devices (set before JAX starts). On a mesh the engine splits rows,
+slots and their pages over the layout's batch axes (`decode_loop.rollout_on_mesh`):
+`kv_bytes_per_device` is the KV pool one device allocates, read off the compiled program
+(its partitioned HLO: the largest [layers, pages, page_size, 2K, head_dim] buffer).
 
 Workload: B = --batch prompts of P = --prompt-len random tokens, one sample each, sampled at
 temperature 1 with no stop tokens (EOS ignored), so row r generates exactly C_r new tokens.
@@ -17,7 +23,7 @@ numpy default_rng(0): the same limits for every batching.
 Batchings: `dense` is today's sampler (`SamplerConfig(engine=None)`, `jaxrl.rollout.sampler`):
 it has no per-row limits, so every row decodes T tokens over a [B, P + T - 1] cache, and only
 the C_r useful tokens of each row count as generated. `static` / `continuous` run the engine
-(`jaxrl.rollout.continuous`) with S = --slots decode slots (default B; the engine takes at
+(`jaxrl.rollout.slots`, `decode_loop`) with S = --slots decode slots (default B; the engine takes at
 least 2) over a pool of --page-size-token pages and per-row limits C_r: static starts a batch
 of S rows only when every slot is free, continuous refills a slot as soon as its row ends
 (and with --min-slots M, once no row waits, moves the live rows into half the slots whenever
@@ -27,7 +33,7 @@ Timed: the compiled `Sampler.generate` program (prefill + decode loop + sampling
 --repeats calls after a checked warm-up call. tokens_per_s = sum_r C_r / rollout_s. A decode
 iteration is one one-token forward pass of the loop (each row's first token is sampled from
 the prefill logits, in no iteration): dense N = T - 1; engine N = the `lax.while_loop` trips
-of `continuous.rollout`, from replaying its admission rule on the limits (`engine_schedule`;
+of `decode_loop.rollout`, from replaying its admission rule on the limits (`engine_schedule`;
 --check-schedule also runs `rollout` under jit and asserts it). decode_step_s = rollout_s / N
 includes the prefill (prefill_s, the micro measurement's, is beside), so it bounds a step above.
 
@@ -69,7 +75,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import re
+import sys
 import time
+
+if "--devices" in sys.argv:  # before JAX starts: it reads the device count once
+    _n = sys.argv[sys.argv.index("--devices") + 1]
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={_n}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +94,7 @@ from flax import nnx
 from jaxrl.models import KVCache, ModelConfig, Transformer, default_positions
 from jaxrl.perf.memory import program_memory
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.continuous import EngineConfig, max_concurrent_decodes, slot_tiers
+from jaxrl.rollout.decode_loop import EngineConfig, max_concurrent_decodes, slot_tiers
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.runtime import configure_xla
 from jaxrl.sharding import create_sharded, load_layout, make_mesh, use_rules
@@ -109,6 +124,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-slots", type=int, default=None,
                    help="continuous: once no row waits, halve the slots down to this")
     p.add_argument("--layout", default="fsdp", help="preset or YAML; weights use its rollout rules")
+    p.add_argument("--devices", type=int, default=None,
+                   help="run on this many fake CPU devices (default: the backend's devices)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed calls per measurement (dense step: 4x as many single steps)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
@@ -118,7 +135,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-micro", dest="micro", action="store_false",
                    help="skip the prefill and single dense decode step measurements")
     p.add_argument("--check-schedule", action="store_true",
-                   help="also run continuous.rollout under jit and assert its iteration count")
+                   help="also run decode_loop.rollout under jit and assert its iteration count")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p.parse_args()
 
@@ -199,13 +216,13 @@ def engine_schedule(limits_B: np.ndarray, prompt_len: int, slots: int, batching:
                     tokens_per_block: int, min_slots: int | None = None,
                     ) -> tuple[int, int, int, int]:
     """(N, slot steps, live tokens summed over the N iterations, tokens the XLA attention
-    path gathers): `continuous.rollout`'s loop replayed on the host, for prompts of
+    path gathers): `decode_loop.rollout`'s loop replayed on the host, for prompts of
     `prompt_len` tokens and a pool that holds every slot's worst case (its default: no row
     waits for pages). Rows with C_r = 1 end on their prefill token; the others queue in row
     order. An iteration admits queued rows into free slots (static: only when all are free),
     then every live slot decodes one token; a row ends when it has C_r tokens, its slot free
     the next iteration. With `min_slots`, once the queue is empty the slot count halves
-    whenever the live rows fit (`continuous.slot_tiers`)."""
+    whenever the live rows fit (`decode_loop.slot_tiers`)."""
     queue = [int(c) for c in limits_B if c > 1]
     tiers = slot_tiers(slots, min_slots)
     limit_S, t_S = np.zeros(slots, int), np.zeros(slots, int)
@@ -229,6 +246,30 @@ def engine_schedule(limits_B: np.ndarray, prompt_len: int, slots: int, batching:
         live_S &= t_S < limit_S
         steps += 1
     return steps, slot_steps, live_tokens, gathered
+
+
+def row_shards(mesh, rules, batch: int) -> int:
+    """How many ways the engine splits the rows (`decode_loop.rollout_on_mesh`'s rule)."""
+    axes = tuple(a for a in rules.mesh_axes("batch") if mesh.shape.get(a, 1) > 1)
+    while axes and batch % np.prod([mesh.shape[a] for a in axes]):
+        axes = axes[:-1]
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def pool_bytes(hlo: str, config, dtype: str, page_size: int) -> int | None:
+    """Bytes of the KV pool one device allocates: the largest [layers, pages, page_size, 2K',
+    head_dim] buffer of a compiled (partitioned, per-device) program's HLO text (K' the kv
+    heads a device holds); None when there is none (the dense sampler)."""
+    name = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    item = 4 if dtype == "float32" else 2
+    best = None
+    for dims in re.findall(rf"{name}\[(\d+),(\d+),(\d+),(\d+),(\d+)\]", hlo):
+        layers, pages, page, heads, head_dim = map(int, dims)
+        if (layers, page, head_dim) == (config.num_layers, page_size, config.head_dim) and (
+                heads % 2 == 0 and heads <= 2 * config.num_kv_heads):
+            size = layers * pages * page * heads * head_dim * item
+            best = size if best is None else max(best, size)
+    return best
 
 
 def main() -> None:
@@ -282,6 +323,8 @@ def main() -> None:
     prompts, key = Prompts(ids_BxP, mask_BxP), jax.random.key(0)
     compiled = jax.jit(sampler.generate_traced).lower(params, prompts, key, limits).compile()
     memory = program_memory("rollout", compiled)
+    kv_bytes_per_device = None if dense else pool_bytes(
+        compiled.as_text(), config, args.dtype, min(args.page_size, prompt_len + new - 1))
     out = compiled(params, prompts, key, limits)  # the warm-up call, checked
     expected = batch * new if dense else generated
     if (filled := int(jnp.sum(out.completion_mask_BxC))) != expected:
@@ -296,8 +339,14 @@ def main() -> None:
         pool = PoolLayout.plan(page_size=args.page_size, num_prompts=batch,
                                prompt_len=prompt_len, max_new_tokens=new, num_slots=slots)
         tokens_per_block = min(engine.pages_per_block, pool.table_width) * pool.page_size
-        iterations, slot_steps, live_sum, gathered_sum = engine_schedule(
-            limits_B, prompt_len, slots, args.batching, tokens_per_block, args.min_slots)
+        # Each device of the batch axes runs its own rows with its share of the slots.
+        shards = row_shards(mesh, rules, batch)
+        local_slots = max(2, -(-slots // shards)) if shards > 1 else slots
+        per_device = [engine_schedule(part, prompt_len, local_slots, args.batching,
+                                      tokens_per_block, args.min_slots)
+                      for part in np.split(limits_B, shards)]
+        iterations = max(x[0] for x in per_device)
+        slot_steps, live_sum, gathered_sum = (sum(x[i] for x in per_device) for i in (1, 2, 3))
         if args.check_schedule:
             check_schedule(graphdef, params, engine, prompts, limits, new,
                            (iterations, slot_steps), mesh, rules)
@@ -327,6 +376,7 @@ def main() -> None:
         "roofline_frac": step_bytes / bandwidth / step_s if step_s else None,
         "flops_per_step": step_flops, "matmul_gflops": peak_flops / 1e9, "matmul_size": matmul_n,
         "compute_frac": step_flops / peak_flops / step_s if step_s else None,
+        "kv_bytes_per_device": kv_bytes_per_device,
         "peak_memory_bytes": memory.peak_bytes if memory else None,
         "memory_temp_bytes": memory.temp_bytes if memory else None,
         "memory_argument_bytes": memory.argument_bytes if memory else None,
@@ -342,7 +392,7 @@ def main() -> None:
 
 
 def check_schedule(graphdef, params, engine, prompts, limits, new, expected, mesh, rules):
-    """Runs `continuous.rollout` under jit and asserts its (iterations, slot steps)."""
+    """Runs `decode_loop.rollout` under jit and asserts its (iterations, slot steps)."""
     from jaxrl.rollout.decode_loop import rollout
 
     @jax.jit
@@ -354,7 +404,7 @@ def check_schedule(graphdef, params, engine, prompts, limits, new, expected, mes
                            sampling=SamplingParams(1.0))[1:]
 
     if (got := tuple(int(x) for x in steps(params, *prompts, limits))) != expected:
-        raise AssertionError(f"continuous.rollout ran (iterations, slot steps) {got}; the "
+        raise AssertionError(f"decode_loop.rollout ran (iterations, slot steps) {got}; the "
                              f"replay: {expected}")
 
 
@@ -413,6 +463,8 @@ def report(r: dict) -> None:
               f"of {r['bandwidth_gbs']:.1f} GB/s\n"
               f"flops/step       {r['flops_per_step'] / 1e9:12.2f} GFLOP -> "
               f"{100 * r['compute_frac']:.0f}% of {r['matmul_gflops']:.0f} matmul GFLOP/s")
+    if r["kv_bytes_per_device"] is not None:
+        print(f"KV pool          {r['kv_bytes_per_device'] / mib:12.2f} MiB per device")
     if r["peak_memory_bytes"] is not None:
         print(f"memory           {r['peak_memory_bytes'] / mib:12.1f} MiB peak of the rollout "
               f"program (temporaries {r['memory_temp_bytes'] / mib:.1f} MiB)")

@@ -6,7 +6,7 @@
 A multi-turn rollout needs the host (the environments) in the middle of decoding. A fused
 program could only reach it through a host callback (`jax.experimental.io_callback`) inside
 its decode loop, at every iteration, since any slot may end its turn at any token. This
-times one decode iteration of the serving engine's slots (`jaxrl.rollout.serving.generate`,
+times one decode iteration of the engine's slots (`jaxrl.rollout.serving.generate`,
 a random quickstart-sized policy, --slots slots) three ways, each over --steps iterations,
 alternated --rounds times, median:
 
@@ -35,7 +35,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from jaxrl.models import ModelConfig, Transformer
-from jaxrl.rollout import serving
+from jaxrl.rollout import serving, slots
 from jaxrl.rollout.sampling import SamplingParams
 
 
@@ -54,17 +54,22 @@ def main() -> None:
     args = parser.parse_args()
     model = _model()
     graphdef, weights = nnx.split(model)
-    layout = serving.ServeLayout(args.slots, 16, args.steps + 2, 16)
-    stop_ids = jnp.asarray([-1], jnp.int32)  # never stops: every slot decodes every step
+    layout = serving.pool_layout(args.slots, 16, args.steps + 2, 16)
+    stops = slots.Stops()  # no stop token: every slot decodes every step
     sampling = SamplingParams(temperature=1.0)
 
     def fresh_state():
-        state = serving.init_state(model.config, layout, jax.random.key(0))
-        return state.replace(live_S=jnp.ones((args.slots,), bool),
-                             pos_S=jnp.full((args.slots,), 8, jnp.int32))
+        """Every slot holding a row of an 8-token prompt (its home: the slot)."""
+        s = args.slots
+        state = slots.init(model.config, layout, s)
+        ints, floats = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
+        return slots.insert(state, layout, slots.Starts(
+            jnp.arange(s), jnp.arange(s), jnp.full((s,), 8), ints, floats, floats,
+            jnp.zeros_like(state.key_SxK), jnp.full((s,), args.steps + 2)), stops)
 
     def decode(weights, state):
-        return serving.generate(nnx.merge(graphdef, weights), state, layout, stop_ids, sampling)
+        return serving.generate(nnx.merge(graphdef, weights), state, layout, stops, sampling,
+                                slots.Attention())
 
     seen = []
 

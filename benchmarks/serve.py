@@ -73,23 +73,24 @@ def engine_steps(model_dir: str, slot_counts: list[int], max_prompt: int,
     from flax import nnx
 
     from jaxrl.models import from_pretrained
-    from jaxrl.rollout import serving
+    from jaxrl.rollout import serving, slots
     from jaxrl.rollout.sampling import SamplingParams
 
     model = from_pretrained(model_dir)
     graphdef, params = nnx.split(model)
-    greedy, stop = SamplingParams(temperature=0.0), jnp.asarray([-1], jnp.int32)
-    for slots in slot_counts:
-        layout = serving.ServeLayout(slots, max_prompt, max_output, 16)
+    greedy, stops, xla = SamplingParams(temperature=0.0), slots.Stops(), slots.Attention()
+    for num_slots in slot_counts:
+        layout = serving.pool_layout(num_slots, max_prompt, max_output, 16)
         generate = jax.jit(lambda p, st, layout=layout: serving.generate(
-            nnx.merge(graphdef, p), st, layout, stop, greedy), donate_argnums=1)
+            nnx.merge(graphdef, p), st, layout, stops, greedy, xla), donate_argnums=1)
         prefill = jax.jit(lambda p, ids, n: serving.prefill(
-            nnx.merge(graphdef, p), ids, n, jax.random.key(0), greedy))
-        insert = jax.jit(lambda st, pf, s, layout=layout: serving.insert(st, pf, s, layout),
+            nnx.merge(graphdef, p), ids, n, jax.random.key(0), greedy, max_output))
+        insert = jax.jit(lambda st, pf, s, layout=layout: serving.insert(st, pf, s, layout,
+                                                                         stops),
                          donate_argnums=0)
         ids = jnp.ones((max_prompt,), jnp.int32)
-        for live in sorted({1, slots}):
-            state = serving.init_state(model.config, layout, jax.random.key(0))
+        for live in sorted({1, num_slots}):
+            state = slots.init(model.config, layout, num_slots)
             for slot in range(live):
                 state = insert(state, prefill(params, ids, max_prompt - 8), slot)
             state, out = generate(params, state)
@@ -99,7 +100,7 @@ def engine_steps(model_dir: str, slot_counts: list[int], max_prompt: int,
                 state, out = generate(params, state)
             jax.block_until_ready(out)
             step_ms = 1e3 * (time.perf_counter() - start) / steps
-            print(f"slots {slots:3d}, {live:3d} live: generate step {step_ms:.2f} ms "
+            print(f"slots {num_slots:3d}, {live:3d} live: generate step {step_ms:.2f} ms "
                   f"({live / step_ms * 1e3:.0f} tokens/s)")
         start = time.perf_counter()
         for _ in range(20):

@@ -60,8 +60,8 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
     del model
     slots = _slots(cfg, model_config, params)
     spec = EngineSpec(
-        layout=serving.ServeLayout(slots, serve.max_prefill_length, serve.max_new_tokens,
-                                   cfg.rollout.page_size),
+        num_slots=slots, max_prefill_length=serve.max_prefill_length,
+        max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size,
         sampling=serve.sampling_params(),
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
             tokenizer, model_config, cfg.rollout.stop_token_ids),

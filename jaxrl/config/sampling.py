@@ -11,7 +11,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.config.load import fail, require_at_least
-from jaxrl.rollout.continuous import EngineConfig
+from jaxrl.rollout.decode_loop import EngineConfig
 from jaxrl.rollout.sampling import SamplingParams
 
 
@@ -46,7 +46,7 @@ class RolloutSection(SamplingSection):
     # No stop tokens at all, EOS included: every training completion has exactly
     # max_new_tokens tokens (benchmarks; vLLM's ignore_eos). Evaluation still stops at EOS.
     ignore_eos: bool = False
-    # The engine (`jaxrl.rollout.continuous`): decode slots over a paged KV cache. continuous:
+    # The engine (`jaxrl.rollout.slots`): decode slots over a paged KV cache. continuous:
     # a slot whose row ends takes the next pending row; static: batches of max_slots rows,
     # each waiting for its longest row. max_slots null: every row of the step at once.
     batching: Literal["continuous", "static"] = "continuous"

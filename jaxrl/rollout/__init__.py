@@ -1,8 +1,9 @@
-"""Rollout: the compiled KV-cache sampler and the engine interface the trainer calls."""
+"""Rollout: the slot engine (`slots`), its drivers, and the interface the trainer calls."""
 
 from jaxrl.rollout.engine import Prompts, RolloutEngine, Sampler
-from jaxrl.rollout.sampler import Rollout, SamplerConfig, sample
+from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.sampling import SamplingParams, process_logits, sample_tokens
+from jaxrl.rollout.types import Rollout, SamplerConfig
 
 __all__ = [
     "Prompts", "Rollout", "RolloutEngine", "Sampler", "SamplerConfig", "SamplingParams",

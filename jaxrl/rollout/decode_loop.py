@@ -1,48 +1,77 @@
-"""The engine's loop: a rollout planned, begun, advanced and read out.
+"""The RL driver of the engine: a batch of rows planned, begun, advanced and read out.
 
     plan_    = plan(model.config, engine_config, P, L, B, C, stop_ids, sampling)   static
     progress = begin(model, plan_, prompts, row_keys_B, limit_B, ...)  prefill, first tokens
     progress = advance(model, plan_, progress, row_keys_B)             decode until all end
-    rollout  = to_rollout(progress.state, prompts, G, progress.slot_steps)
+    rollout  = to_rollout(progress.out, prompts, G, progress.slot_steps)
 
-`advance` is one `lax.while_loop` over the primitives of `jaxrl.rollout.continuous`: whenever
+`advance` is one `lax.while_loop` over the engine's ops (`jaxrl.rollout.slots`): whenever
 slots are free it inserts the next pending rows (continuous batching; `static` waits until
-every slot is free, then inserts a whole batch), then decodes one token for every live slot.
+every slot is free, then inserts a whole batch), then every live slot decodes one token,
+written into the rows' [B, C] outputs where it is drawn. A row ends at its first stop token
+(kept) or its own limit (`limit_B`, per-request limits as servers have); a row that ends on
+its first token (drawn at prefill) never takes a slot. The G samples of a prompt read its
+pages (one home per prompt).
+
 With `stop_at` it stops after that many iterations in all; the `InProgress` it returns goes
 on in a later call, in another program, even under other weights (in-flight weight updates:
 `jaxrl.rollout.inflight`). A row's token t is drawn with fold_in(key_r, t), so where the
 pieces stop changes no token when the weights stay the same. `rollout` is the one-piece
-loop (with `min_slots`: in tiers of ever fewer slots, `shrink`), `sample_continuous` the
-dense sampler's interface on it.
+loop (with `min_slots`: in tiers of ever fewer slots, `slots.shrink`), `sample_continuous`
+the dense sampler's interface on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import Transformer
-from jaxrl.rollout.continuous import (
-    DecodeState,
-    EngineConfig,
-    Prefix,
-    admit,
-    generate,
-    init_decode_state,
-    insert,
-    max_concurrent_decodes,
-    prefill_group,
-    resolve_attention,
-    shrink,
-    slot_tiers,
-)
-from jaxrl.rollout.pages import PoolLayout
-from jaxrl.rollout.sampler import Rollout, SamplerConfig, prompt_keys
+from jaxrl.rollout import slots
+from jaxrl.rollout.pages import PoolLayout, own_pages
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.sharding import constrain
+from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
+from jaxrl.sharding import constrain, use_rules
+from jaxrl.sharding.rules import active_rules
+
+Batching = Literal["continuous", "static"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and pages (the static part of one rollout call)."""
+
+    max_slots: int | None = None  # None: every row at once
+    page_size: int = 16
+    batching: Batching = "continuous"
+    attention: Literal["auto", "xla", "pallas"] = "auto"
+    pages_per_block: int = 8
+    row_pages: int | None = None  # None: every slot's worst case fits at once
+    min_slots: int | None = None  # None: the slot count stays; else it halves down to this
+
+    def __post_init__(self):
+        if self.max_slots is not None and self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1 or None, got {self.max_slots}")
+        if self.min_slots is not None and self.min_slots < 2:
+            raise ValueError(f"min_slots must be >= 2 or None, got {self.min_slots}")
+        if self.min_slots is not None and self.batching == "static":
+            raise ValueError(f"min_slots={self.min_slots} shrinks continuous batching's "
+                             f"slots; with batching=static expected None")
+        if self.attention not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got "
+                             f"{self.attention!r}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+
+    @property
+    def read(self) -> slots.Attention:
+        return slots.Attention(self.attention, self.pages_per_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +86,30 @@ class Plan:
     sampling: SamplingParams
 
     @property
-    def stop_ids(self) -> jax.Array:
-        return jnp.asarray(self.stop_token_ids or (-1,), jnp.int32)
+    def stops(self) -> slots.Stops:
+        return slots.Stops(row_ids=tuple(self.stop_token_ids))
 
 
 def plan(model_config, config: EngineConfig, num_prompts: int, prompt_len: int, num_rows: int,
          max_new_tokens: int, stop_token_ids: tuple[int, ...], sampling: SamplingParams) -> Plan:
     """The `Plan` of `num_rows` rows of `num_prompts` prompts up to `prompt_len` tokens."""
-    slots = max_concurrent_decodes(config, num_rows)
+    num_slots = max_concurrent_decodes(config, num_rows)
     layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                             num_slots=slots, row_pages=config.row_pages)
+                             num_slots=num_slots, row_pages=config.row_pages)
     config = dataclasses.replace(config, attention=resolve_attention(
-        config.attention, model_config, layout, slots))
+        config.attention, model_config, layout, num_slots))
     return Plan(layout, config, num_rows // num_prompts, tuple(stop_token_ids), sampling)
+
+
+@struct.dataclass
+class Outputs:
+    """The rows' completions, filled as tokens are drawn ([B, C])."""
+
+    tokens_BxC: jax.Array
+    mask_BxC: jax.Array
+    logp_BxC: jax.Array
+    logp_raw_BxC: jax.Array
 
 
 @struct.dataclass
@@ -78,8 +117,11 @@ class InProgress:
     """A rollout between two decode iterations: all the loop carries, so it can stop after
     any iteration and go on in another program, with other weights (`advance`)."""
 
-    state: DecodeState
-    prefix: Prefix
+    state: slots.SlotState
+    out: Outputs
+    length_P: jax.Array  # prompt lengths
+    home_B: jax.Array  # the home (prompt) of each row
+    first_B: jax.Array  # each row's first token (drawn at prefill)
     limit_B: jax.Array
     queue_B: jax.Array  # rows in the order they take slots (those that ended at once last)
     num_queued: jax.Array
@@ -94,19 +136,75 @@ class InProgress:
 
 def begin(model: Transformer, plan_: Plan, prompt_ids_PxL: jax.Array,
           prompt_mask_PxL: jax.Array, row_keys_B: jax.Array, limit_B: jax.Array,
-          max_new_tokens: int, pad_token_id: int) -> InProgress:
-    """An empty pool, the prompts prefilled and every row's first token drawn; no decode
-    iteration run yet."""
-    b = row_keys_B.shape[0]
-    slots = max_concurrent_decodes(plan_.config, b)
-    state = init_decode_state(model, plan_.layout, slots, b, max_new_tokens, pad_token_id)
-    state, prefix = prefill_group(model, state, plan_.layout, prompt_ids_PxL, prompt_mask_PxL,
-                                  row_keys_B, limit_B, plan_.stop_ids, plan_.sampling)
+          max_new_tokens: int, pad_token_id: int, home_B: jax.Array | None = None
+          ) -> InProgress:
+    """An empty pool, the prompts prefilled into their home pages and every row's first token
+    drawn; no decode iteration run yet. `home_B`: each row's prompt (default: row // G)."""
+    b, c, g = row_keys_B.shape[0], max_new_tokens, plan_.group_size
+    if home_B is None:
+        home_B = jnp.arange(b, dtype=jnp.int32) // g
+    state = slots.init(model.config, plan_.layout, max_concurrent_decodes(plan_.config, b))
+    prefix = slots.prefill(model, prompt_ids_PxL, prompt_mask_PxL)
+    num_prompts = prefix.length_P.shape[0]
+    state = slots.write_prompts(state, plan_.layout, prefix.kv_LxPxLx2KxH, prefix.length_P,
+                                jnp.arange(num_prompts, dtype=jnp.int32))
+    token_B, logp_B, logp_raw_B = slots.first_tokens(
+        prefix.logits_PxV[home_B], jax.random.key_data(row_keys_B), plan_.sampling)
+    done_B, _ = plan_.stops.ends(token_B, 0, 1, limit_B)
+    out = Outputs(jnp.full((b, c), pad_token_id, jnp.int32).at[:, 0].set(token_B),
+                  jnp.zeros((b, c), bool).at[:, 0].set(True),
+                  jnp.zeros((b, c), jnp.float32).at[:, 0].set(logp_B),
+                  jnp.zeros((b, c), jnp.float32).at[:, 0].set(logp_raw_B))
     # Rows that ended on their first token never take a slot; the others queue in row order.
-    queue_B = jnp.argsort(prefix.done_B, stable=True).astype(jnp.int32)
+    queue_B = jnp.argsort(done_B, stable=True).astype(jnp.int32)
     zero = jnp.int32(0)
-    return InProgress(state, prefix, limit_B, queue_B, jnp.sum(~prefix.done_B, dtype=jnp.int32),
-                      zero, zero, zero)
+    return InProgress(state, out, prefix.length_P, home_B, token_B, limit_B, queue_B,
+                      jnp.sum(~done_B, dtype=jnp.int32), zero, zero, zero)
+
+
+def admit(progress: InProgress, layout: PoolLayout, batching: Batching
+          ) -> tuple[jax.Array, jax.Array]:
+    """(slot_row_S, next'): the next queued rows for the free slots, in queue order, as many
+    as there are free slots and free pages for (static batching: only when all are free)."""
+    state, queue_B, next_ = progress.state, progress.queue_B, progress.next_
+    num_slots = state.row_S.shape[0]
+    free_S = ~state.live_S
+    if batching == "static":
+        free_S &= ~jnp.any(state.live_S)
+    rank_S = jnp.cumsum(free_S) - 1  # the k-th free slot takes the k-th candidate
+    k_K = jnp.arange(num_slots)
+    row_K = queue_B[jnp.clip(next_ + k_K, 0, queue_B.shape[0] - 1)]
+    need_K = own_pages(progress.length_P[progress.home_B[row_K]], progress.limit_B[row_K],
+                       layout.page_size)
+    ok_K = (next_ + k_K < progress.num_queued) & (jnp.cumsum(need_K) <= state.free.count) & (
+        k_K < jnp.sum(free_S))
+    ok_K = jnp.cumprod(ok_K).astype(bool)  # a prefix: rows start in queue order
+    k = jnp.sum(ok_K, dtype=jnp.int32)
+    rank_S = jnp.clip(rank_S, 0, num_slots - 1)
+    slot_row_S = jnp.where(free_S & (rank_S < k), row_K[rank_S], -1)
+    return slot_row_S, next_ + k
+
+
+def _insert(progress: InProgress, plan_: Plan, row_keys_B: jax.Array) -> InProgress:
+    slot_row_S, next_ = admit(progress, plan_.layout, plan_.config.batching)
+    row_S = jnp.maximum(slot_row_S, 0)
+    home_S = progress.home_B[row_S]
+    zeros = jnp.zeros(row_S.shape, jnp.float32)  # a row's first log-probs are in the outputs
+    starts = slots.Starts(slot_row_S, home_S, progress.length_P[home_S], progress.first_B[row_S],
+                          zeros, zeros, jax.random.key_data(row_keys_B)[row_S],
+                          progress.limit_B[row_S])
+    return progress.replace(state=slots.insert(progress.state, plan_.layout, starts, plan_.stops),
+                            next_=next_)
+
+
+def _write(out: Outputs, drawn: slots.Drawn) -> Outputs:
+    """Each live slot's drawn token into its row's outputs (free slots write nothing)."""
+    row_S = jnp.where(drawn.row_S >= 0, drawn.row_S, out.tokens_BxC.shape[0])
+    col_S = drawn.index_S
+    return Outputs(out.tokens_BxC.at[row_S, col_S].set(drawn.token_S, mode="drop"),
+                   out.mask_BxC.at[row_S, col_S].set(True, mode="drop"),
+                   out.logp_BxC.at[row_S, col_S].set(drawn.logp_S, mode="drop"),
+                   out.logp_raw_BxC.at[row_S, col_S].set(drawn.logp_raw_S, mode="drop"))
 
 
 def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: jax.Array,
@@ -114,21 +212,17 @@ def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: j
     """Decode iterations until every row has finished (with `below`: until no row waits and
     at most `below` rows live), or until `stop_at` iterations have run in all."""
     graphdef, weights = nnx.split(model)
-    config, layout, g = plan_.config, plan_.layout, plan_.group_size
-    limit_B, queue_B, num_queued = progress.limit_B, progress.queue_B, progress.num_queued
-
-    def admit_and_insert(state, next_):
-        slot_row_S, next_ = admit(state, progress.prefix, layout, queue_B, num_queued, next_,
-                                  limit_B, g, config.batching)
-        return insert(state, progress.prefix, layout, slot_row_S, limit_B, g), next_
+    num_queued = progress.num_queued
 
     def body(p: InProgress) -> InProgress:
         # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
-        state, next_ = jax.lax.cond((p.next_ < num_queued) & ~jnp.all(p.state.live_S),
-                                    admit_and_insert, lambda st, n: (st, n), p.state, p.next_)
-        state, _ = generate(nnx.merge(graphdef, weights, copy=True), state, p.prefix, layout,
-                            config, row_keys_B, limit_B, plan_.stop_ids, g, plan_.sampling)
-        return p.replace(state=state, next_=next_, steps=p.steps + 1,
+        p = jax.lax.cond((p.next_ < num_queued) & ~jnp.all(p.state.live_S),
+                         lambda p: _insert(p, plan_, row_keys_B), lambda p: p, p)
+        # NNX transforms reject Variables made at another trace level: a fresh copy here.
+        state, drawn = slots.generate(nnx.merge(graphdef, weights, copy=True), p.state,
+                                      plan_.layout, plan_.config.read, plan_.stops,
+                                      plan_.sampling)
+        return p.replace(state=state, out=_write(p.out, drawn), steps=p.steps + 1,
                          slot_steps=p.slot_steps + state.row_S.shape[0])
 
     def cond(p: InProgress) -> jax.Array:
@@ -141,52 +235,104 @@ def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: j
 def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
             row_keys_B: jax.Array, limit_B: jax.Array, max_new_tokens: int,
             config: EngineConfig, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
-            sampling: SamplingParams) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """(state, iterations, slot steps): every row's completion (in the state's [B, C]
-    outputs), the decode iterations run and the slots they ran (live or not) summed.
+            sampling: SamplingParams, home_B: jax.Array | None = None
+            ) -> tuple[Outputs, jax.Array, jax.Array]:
+    """(outputs, iterations, slot steps): every row's completion ([B, C]), the decode
+    iterations run and the slots they ran (live or not) summed.
 
     `config.min_slots`: once no row waits, whenever the live rows fit in half the slots they
-    move there (`shrink`), down to `min_slots`: each tier is its own `while_loop`, so one more
-    compiled decode step, and the tail of long rows stops paying for free slots."""
+    move there (`slots.shrink`), down to `min_slots`: each tier is its own `while_loop`, so
+    one more compiled decode step, and the tail of long rows stops paying for free slots."""
     num_prompts, prompt_len = prompt_ids_PxL.shape
     plan_ = plan(model.config, config, num_prompts, prompt_len, row_keys_B.shape[0],
                  max_new_tokens, stop_token_ids, sampling)
     progress = begin(model, plan_, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
-                     max_new_tokens, pad_token_id)
+                     max_new_tokens, pad_token_id, home_B)
     tiers = slot_tiers(progress.state.row_S.shape[0], config.min_slots)
     for k, num_slots in enumerate(tiers):
         if k:
-            progress = progress.replace(state=shrink(progress.state, num_slots))
+            progress = progress.replace(state=slots.shrink(progress.state, num_slots))
         # Tier k runs while rows wait or more rows live than the next tier has slots.
         below = tiers[k + 1] if k + 1 < len(tiers) else 0
         progress = advance(model, plan_, progress, row_keys_B, below=below)
-    return progress.state, progress.steps, progress.slot_steps
+    return progress.out, progress.steps, progress.slot_steps
 
 
+def rollout_on_mesh(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
+                    row_keys_B: jax.Array, limit_B: jax.Array, max_new_tokens: int,
+                    config: EngineConfig, **kw) -> tuple[Outputs, jax.Array, jax.Array]:
+    """`rollout`, its rows, slots and pages split over the devices of the rollout layout's
+    batch axes (under `use_rules`; elsewhere, or when they do not divide the rows, `rollout`).
 
-def row_keys(key: jax.Array, num_prompts: int, group_size: int) -> jax.Array:
-    """The B = P x G rows' keys of one call's `key` (the dense sampler's, row for row)."""
-    return jax.vmap(lambda k: jax.random.split(k, group_size))(
-        prompt_keys(key, num_prompts)).reshape(-1)
+    Each device runs the loop on its share of the rows (B / D, contiguous) with its share of
+    the slots (`max_slots` / D, at least 2) over a pool of its own: it holds and attends only
+    its own slots' keys and values, and refills a slot from its own rows. A row's tokens do
+    not depend on D (its key is its own). The prompts go with their rows when D divides them
+    (G samples of a prompt are contiguous); otherwise every device prefills every prompt.
+
+    Collectives per decode iteration: none over the batch axes (each device's loop runs its
+    own trip count); over `tensor`, the model's own (its heads and vocabulary are split there,
+    as in the dense forward: an all-reduce after attention and after the MLP per layer, and
+    the logits' gather for sampling). After the loop, the iteration counts are reduced once.
+    """
+    active = active_rules()
+    b, num_prompts = row_keys_B.shape[0], prompt_ids_PxL.shape[0]
+    axes = () if active is None else row_axes(*active, b)
+    if not axes:
+        return rollout(model, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
+                       max_new_tokens, config, **kw)
+    mesh, rules = active
+    d = math.prod(mesh.shape[a] for a in axes)
+    rows = P(axes)
+    prompts = rows if num_prompts % d == 0 else P()
+    home_B = jnp.arange(b, dtype=jnp.int32) // (b // num_prompts)
+    if num_prompts % d == 0:  # each device's rows are its own prompts' rows
+        home_B = home_B % (num_prompts // d)
+    local = dataclasses.replace(
+        config, max_slots=None if config.max_slots is None else max(2, -(-config.max_slots // d)),
+        row_pages=None if config.row_pages is None else -(-config.row_pages // d))
+    graphdef, weights = nnx.split(model)
+
+    def per_device(weights, ids_PxL, mask_PxL, keys_BxK, limit_B, home_B):
+        with use_rules(jax.sharding.get_abstract_mesh(), rules.without(axes)):
+            out, steps, slot_steps = rollout(
+                nnx.merge(graphdef, weights), ids_PxL, mask_PxL,
+                jax.random.wrap_key_data(keys_BxK), limit_B, max_new_tokens, local,
+                home_B=home_B, **kw)
+        return out, steps[None], slot_steps[None]
+
+    out, steps_D, slot_steps_D = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(P(), prompts, prompts, rows, rows, rows),
+        out_specs=(rows, rows, rows), axis_names=set(axes), check_vma=False)(
+        weights, prompt_ids_PxL, prompt_mask_PxL, jax.random.key_data(row_keys_B), limit_B,
+        home_B)
+    return out, jnp.max(steps_D), jnp.sum(slot_steps_D)
 
 
-def row_limits(limit_B: jax.Array | None, num_rows: int, max_new_tokens: int) -> jax.Array:
-    """Each row's cap on new tokens, in [1, max_new_tokens] (None: max_new_tokens)."""
-    if limit_B is None:
-        return jnp.full((num_rows,), max_new_tokens, jnp.int32)
-    return jnp.clip(limit_B.astype(jnp.int32), 1, max_new_tokens)
+def row_axes(mesh, rules, num_rows: int) -> tuple[str, ...]:
+    """The mesh axes `rollout_on_mesh` splits `num_rows` rows over: the batch axes of
+    `rules` (of size > 1) whose product divides the rows."""
+    axes = tuple(a for a in rules.mesh_axes("batch") if mesh.shape.get(a, 1) > 1)
+    while axes and num_rows % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    return axes
 
 
-def to_rollout(state: DecodeState, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
+def row_shards(mesh, rules, num_rows: int) -> int:
+    """How many ways `rollout_on_mesh` splits `num_rows` rows (1: not split; no mesh)."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in row_axes(mesh, rules,
+                                                                            num_rows))
+
+
+def to_rollout(out: Outputs, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
                group_size: int, slot_steps: jax.Array) -> Rollout:
-    """The finished rows of `state` as the dense sampler's `Rollout`, laid out by rows."""
+    """The finished rows' outputs as the dense sampler's `Rollout`, laid out by rows."""
     def repeat(x):
         return jnp.repeat(x, group_size, axis=0)
 
-    mask_BxC = state.mask_BxC
     tokens_BxC, mask_BxC, logp_BxC, logp_raw_BxC, ids_BxL, pmask_BxL = (
         constrain(x, ("batch", "seq")) for x in (
-            state.tokens_BxC, mask_BxC, state.logp_BxC, state.logp_raw_BxC,
+            out.tokens_BxC, out.mask_BxC, out.logp_BxC, out.logp_raw_BxC,
             repeat(prompt_ids_PxL), repeat(prompt_mask_PxL.astype(bool))))
     return Rollout(prompt_ids_BxP=ids_BxL, prompt_mask_BxP=pmask_BxL,
                    completion_ids_BxC=tokens_BxC, completion_mask_BxC=mask_BxC,
@@ -206,13 +352,54 @@ def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask
     n = config.num_generations
     keys_B = row_keys(key, num_prompts, n)
     limit_B = row_limits(limit_B, keys_B.shape[0], config.max_new_tokens)
-    state, _, slot_steps = rollout(
+    out, _, slot_steps = rollout_on_mesh(
         model, prompt_ids_PxL, prompt_mask_PxL, keys_B, limit_B, config.max_new_tokens,
         engine_config(config, keys_B.shape[0]), stop_token_ids=config.stop_token_ids,
         pad_token_id=config.pad_token_id, sampling=config.sampling)
-    return to_rollout(state, prompt_ids_PxL, prompt_mask_PxL, n, slot_steps)
+    return to_rollout(out, prompt_ids_PxL, prompt_mask_PxL, n, slot_steps)
 
 
 def engine_config(config: SamplerConfig, num_rows: int) -> EngineConfig:
     """The sampler's engine settings (none given: every row in its own slot)."""
     return config.engine or EngineConfig(max_slots=num_rows)
+
+
+def max_concurrent_decodes(config: EngineConfig, num_rows: int) -> int:
+    """The decode slots of a rollout of `num_rows` rows: `max_slots` (None: every row), at
+    most the rows, at least 2: with one row XLA's dots take their matrix-vector path, which
+    rounds differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers
+    do not depend on the slot count, and a spare slot just stays free."""
+    return max(2, num_rows if config.max_slots is None else min(config.max_slots, num_rows))
+
+
+def slot_tiers(num_slots: int, min_slots: int | None) -> tuple[int, ...]:
+    """The slot counts the loop runs with: `num_slots`, then halves while >= `min_slots`."""
+    tiers = [num_slots]
+    while min_slots is not None and tiers[-1] // 2 >= max(min_slots, 2):
+        tiers.append(tiers[-1] // 2)
+    return tuple(tiers)
+
+
+def resolve_attention(attention: str, model_config, layout: PoolLayout, num_slots: int) -> str:
+    """`auto`: the TPU kernel on TPU when its static checks take these shapes, else XLA."""
+    if attention != "auto":
+        return attention
+    if jax.default_backend() != "tpu":
+        return "xla"
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import static_validate_inputs
+
+    from jaxrl.models.paged_attention import pallas_arguments
+
+    c = model_config
+    q = jax.ShapeDtypeStruct((num_slots, c.num_heads, c.head_dim), c.compute_dtype)
+    kv = jax.ShapeDtypeStruct((layout.num_pages, layout.page_size, 2 * c.num_kv_heads,
+                               c.head_dim), c.compute_dtype)
+    table = jax.ShapeDtypeStruct((num_slots, layout.table_width), jnp.int32)
+    try:
+        args = jax.eval_shape(pallas_arguments, q, kv, table,
+                              jax.ShapeDtypeStruct((num_slots,), jnp.int32))
+        static_validate_inputs(*args, sm_scale=c.head_dim ** -0.5,
+                               sliding_window=c.sliding_window)
+    except (ValueError, NotImplementedError):
+        return "xla"
+    return "pallas"

@@ -3,8 +3,9 @@
     engine.generate(params, prompts, key) -> Rollout
 
 With `SamplerConfig.engine` set the rows go through the paged, continuous-batching engine
-(`jaxrl.rollout.continuous`, what training, evaluation and `jaxrl generate` use); without
-it, through the static dense sampler (`jaxrl.rollout.sampler`, the reference in tests).
+(`jaxrl.rollout.slots` driven by `jaxrl.rollout.decode_loop`: what training, evaluation and
+`jaxrl generate` use); without it, through the dense reference sampler
+(`jaxrl.rollout.sampler`, the oracle tests check the engine against).
 
 `params` is the policy's `nnx.State` in whatever layout the trainer keeps it. jaxrl's engine
 compiles the sampler once per prompt shape; on a mesh it reshards the weights to the
@@ -26,7 +27,8 @@ from jaxrl.models.lora import rollout_view
 from jaxrl.rollout import inflight
 from jaxrl.rollout.decode_loop import sample_continuous
 from jaxrl.rollout.inflight import Partial, constrain_partial
-from jaxrl.rollout.sampler import Rollout, SamplerConfig, sample
+from jaxrl.rollout.sampler import sample
+from jaxrl.rollout.types import Rollout, SamplerConfig
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 
 

@@ -27,21 +27,12 @@ from flax import struct
 from jax.sharding import Mesh
 
 from jaxrl.models import Transformer
-from jaxrl.rollout.decode_loop import (
-    InProgress,
-    advance,
-    begin,
-    engine_config,
-    plan,
-    row_keys,
-    row_limits,
-    to_rollout,
-)
-from jaxrl.rollout.sampler import Rollout, SamplerConfig
+from jaxrl.rollout.decode_loop import InProgress, advance, begin, engine_config, plan, to_rollout
+from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
 from jaxrl.sharding import AxisRules, constrain
 
 # Name endings of arrays laid out by rows (rows, slots or prompts first).
-_ROW_SUFFIXES = ("_B", "_BxC", "_S", "_SxM", "_P", "_PxL")
+_ROW_SUFFIXES = ("_B", "_BxC", "_S", "_SxM", "_SxK", "_P", "_PxL")
 _KV_AXES = ("layers", None, None, "act_kv_heads", "head_dim")
 
 
@@ -78,7 +69,7 @@ def start(model: Transformer, config: SamplerConfig, prompt_ids_PxL: jax.Array,
     progress = begin(model, _plan(model, config, prompt_ids_PxL), prompt_ids_PxL,
                      prompt_mask_PxL, keys_B, limit_B, config.max_new_tokens,
                      config.pad_token_id)
-    version_BxC = jnp.where(progress.state.mask_BxC, jnp.int32(version), -1)
+    version_BxC = jnp.where(progress.out.mask_BxC, jnp.int32(version), -1)
     partial = Partial(progress, version_BxC, jax.random.key_data(key), prompt_ids_PxL,
                       prompt_mask_PxL)
     return resume(model, config, partial, version, stop_at)
@@ -90,17 +81,17 @@ def resume(model: Transformer, config: SamplerConfig, partial: Partial, version:
     finished, or `stop_at` decode iterations have run since `start`."""
     keys_B = row_keys(jax.random.wrap_key_data(partial.key_bits), partial.prompt_ids_PxL.shape[0],
                       config.num_generations)
-    before_BxC = partial.progress.state.mask_BxC
+    before_BxC = partial.progress.out.mask_BxC
     progress = advance(model, _plan(model, config, partial.prompt_ids_PxL), partial.progress,
                        keys_B, stop_at)
-    drawn_BxC = progress.state.mask_BxC & ~before_BxC
+    drawn_BxC = progress.out.mask_BxC & ~before_BxC
     return partial.replace(progress=progress, version_BxC=jnp.where(
         drawn_BxC, jnp.int32(version), partial.version_BxC))
 
 
 def finish(config: SamplerConfig, partial: Partial) -> tuple[Rollout, jax.Array]:
     """(rollout, version_BxC) of a finished `partial` (`Partial.finished`)."""
-    rollout = to_rollout(partial.progress.state, partial.prompt_ids_PxL, partial.prompt_mask_PxL,
+    rollout = to_rollout(partial.progress.out, partial.prompt_ids_PxL, partial.prompt_mask_PxL,
                          config.num_generations, partial.progress.slot_steps)
     return rollout, constrain(partial.version_BxC, ("batch", None))
 

@@ -8,7 +8,10 @@ until a stop token (EOS or a tool call's end tag, kept), `max_turn_tokens` token
 row's budget; the turn's text goes to the row's environment (`jaxrl.envs.base`:
 `env.step(text) -> Observation`), in a worker thread; the observation's tokens are
 appended to the same slot's sequence as one prefill chunk written into its KV pages
-(`jaxrl.rollout.turns.extend`: the history is never prefilled again), and decoding goes on.
+(`jaxrl.rollout.slots.extend`: the history is never prefilled again), and decoding goes on.
+The device side is the engine's (`jaxrl.rollout.slots`): each slot is its row's prompt home,
+a turn ends on the device (`slots.Stops`: a stop token, the turn's or the row's token cap),
+and the host reads each token one step after it was drawn (`slots.take_pending`).
 
     completion = turn 1 | obs 1 | turn 2 | obs 2 | ... | turn k     (at most max_total_tokens)
 
@@ -41,11 +44,10 @@ from flax import nnx
 
 from jaxrl.envs.base import Environment, Observation
 from jaxrl.models import Transformer
-from jaxrl.rollout import turns
-from jaxrl.rollout.decode_loop import row_keys
-from jaxrl.rollout.sampler import Rollout
+from jaxrl.rollout import slots
+from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.rollout.serving import ServeLayout
+from jaxrl.rollout.types import Rollout, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +83,18 @@ class MultiTurnConfig:
             raise ValueError(f"chunk_width must be >= 2, got {self.chunk_width}")
 
     @property
-    def limits(self) -> turns.TurnLimits:
-        stops = tuple(dict.fromkeys(self.stop_token_ids + self.eos_token_ids))
-        return turns.TurnLimits(stops, self.max_turn_tokens, self.max_total_tokens)
+    def stops(self) -> slots.Stops:
+        """EOS ends the row (on the device: its pages go back); a stop token or the turn's
+        `max_turn_tokens`-th token ends the turn; `max_total_tokens` is each row's limit."""
+        return slots.Stops(row_ids=tuple(self.eos_token_ids),
+                           turn_ids=tuple(dict.fromkeys(self.stop_token_ids + self.eos_token_ids)),
+                           turn_tokens=self.max_turn_tokens)
+
+    def layout(self, prompt_len: int) -> PoolLayout:
+        """One prompt home per slot, and row pages for every slot's whole budget at once."""
+        return PoolLayout.plan(page_size=self.page_size, num_prompts=self.num_slots,
+                               prompt_len=prompt_len, max_new_tokens=self.max_total_tokens,
+                               num_slots=self.num_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,23 +144,32 @@ class MultiTurnRollout:
 # The device operations, jitted once per (model graph, shapes, settings): `weights` traced.
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(graphdef, weights, ids_P, mask_P):
-    return turns.prefill_prompt(nnx.merge(graphdef, weights), ids_P, mask_P)
+    return slots.prefill(nnx.merge(graphdef, weights), ids_P[None], mask_P[None])
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5), donate_argnums=(0,))
-def _start(state, prefix, key, slot, layout, sampling):
-    return turns.start(state, prefix, key, slot, layout, sampling)
+@functools.partial(jax.jit, static_argnums=(5, 6, 7), donate_argnums=(0,))
+def _start(state, prefix, key_K, slot, limit, layout, stops, sampling):
+    """The slot starts a row of the prefix's prompt (its home: the slot), its first token
+    drawn with fold_in(key, 0)."""
+    first = slots.first_tokens(prefix.logits_PxV, key_K[None], sampling)
+    row = slots.Starts(jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), prefix.length_P,
+                       *first, key_K[None], jnp.full((1,), limit, jnp.int32))
+    return slots.insert_home(state, layout, prefix, row, slot, stops)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6), donate_argnums=(2,))
-def _step(graphdef, weights, state, layout, limits, sampling, attention):
-    return turns.step(nnx.merge(graphdef, weights), state, layout, limits, sampling, attention)
+def _step(graphdef, weights, state, layout, stops, sampling, attention):
+    """The tokens drawn before (emitted now), then one decode step of every live slot."""
+    state, sent = slots.take_pending(state)
+    state, _ = slots.generate(nnx.merge(graphdef, weights), state, layout, attention, stops,
+                              sampling)
+    return state, sent
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
-def _extend(graphdef, weights, state, slot, ids_W, n, layout, sampling):
-    return turns.extend(nnx.merge(graphdef, weights), state, slot, ids_W, n, layout,
-                        sampling)[0]
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
+def _extend(graphdef, weights, state, slot, ids_W, n, last, layout, stops, sampling):
+    return slots.extend(nnx.merge(graphdef, weights), state, layout, slot, ids_W, n, last,
+                        stops, sampling)[0]
 
 
 def jitted_ops():
@@ -213,12 +233,11 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
         raise ValueError(f"rows {np.flatnonzero(~mask_BxP.any(axis=1)).tolist()} have an "
                          f"empty prompt")
     c, w = config.max_total_tokens, config.chunk_width
-    layout = ServeLayout(config.num_slots, p, c, config.page_size)
-    limits = config.limits
+    layout, stops = config.layout(p), config.stops
     eos = set(config.eos_token_ids)
     graphdef, weights = nnx.split(model)
-    keys_B = row_keys(key, b // g, g)
-    state = turns.init_turn_state(model.config, layout)
+    key_data_BxK = jax.random.key_data(row_keys(key, b // g, g))
+    state = slots.init(model.config, layout, config.num_slots)
     rows = [_Row() for _ in range(b)]
     owner: dict[int, int] = {}            # slot -> row
     waiting: dict[int, cf.Future] = {}    # slot -> env.step future
@@ -256,9 +275,10 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
             ids_W = np.full((w,), config.pad_token_id, np.int32)
             ids_W[:len(piece)] = piece
             state = _extend(graphdef, weights, state, np.int32(slot), ids_W,
-                            np.int32(len(piece)), layout, sampling)
+                            np.int32(len(piece)), np.bool_(i + w >= len(chunk)), layout, stops,
+                            sampling)
 
-    def take_tokens(out: turns.TurnTokens, pool):
+    def take_tokens(out: slots.Sent, pool):
         """A step's tokens into their rows; a turn that ended goes to its environment."""
         out = jax.device_get(out)
         for slot in np.flatnonzero(out.valid_S).tolist():
@@ -294,12 +314,12 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                     prefix_of = next_row // g
                     prefix = _prefill(graphdef, weights, ids_BxP[next_row],
                                       mask_BxP[next_row])
-                state = _start(state, prefix, keys_B[next_row], np.int32(slot), layout,
-                               sampling)
+                state = _start(state, prefix, key_data_BxK[next_row], np.int32(slot), c,
+                               layout, stops, sampling)
                 owner[slot], next_row = next_row, next_row + 1
             if len(owner) > len(waiting):  # some slot decodes (as far as the host knows)
-                state, out = _step(graphdef, weights, state, layout, limits, sampling,
-                                   config.attention)
+                state, out = _step(graphdef, weights, state, layout, stops, sampling,
+                                   slots.Attention(config.attention))
                 decode_steps += 1
                 if unread is not None:
                     take_tokens(unread, pool)
@@ -337,7 +357,7 @@ def _assemble(rows, ids_BxP, mask_BxP, config, layout, env_time, env_wait, decod
         completion_ids_BxC=jnp.asarray(ids), completion_mask_BxC=jnp.asarray(mask),
         logp_BxC=jnp.asarray(logp), logp_raw_BxC=jnp.asarray(logp_raw),
         num_steps=jnp.asarray(int(lengths.max(initial=0)), jnp.int32),
-        decode_slot_steps=jnp.asarray(decode_steps * layout.num_slots, jnp.int32))
+        decode_slot_steps=jnp.asarray(decode_steps * config.num_slots, jnp.int32))
     return MultiTurnRollout(
         rollout=rollout, observation_mask_BxC=obs_mask, turn_starts_BxK=starts,
         turn_ends_BxK=ends, num_turns_B=np.array([len(r.ends) for r in rows], np.int32),

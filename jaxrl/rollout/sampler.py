@@ -1,4 +1,8 @@
-"""The KV-cache sampler: prefill left-padded prompts once, then decode in a `lax.while_loop`.
+"""The dense reference sampler: the test oracle the engine is checked against, not the engine.
+
+The engine (`jaxrl.rollout.slots`, driven by `jaxrl.rollout.decode_loop`) does not use it;
+tests do, and FLOP accounting lowers its phases. It is the plainest correct rollout: prefill
+left-padded prompts once, then decode every row in a `lax.while_loop` over a dense cache.
 
     cache, logits = model.extend(prompts)                 prefill, one pass over B prompts
     repeat cache and last logits n times                  the GRPO group shares the prefill
@@ -15,102 +19,14 @@ prompt's key, so a prompt sampled alone or inside any batch gets the same tokens
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
-from jax.sharding import PartitionSpec as P
+from flax import nnx
 
 from jaxrl.models import KVCache, Transformer, default_positions
-from jaxrl.rollout.sampling import SamplingParams, sample_tokens
+from jaxrl.rollout.sampling import sample_rows
+from jaxrl.rollout.types import Rollout, SamplerConfig, prompt_keys
 from jaxrl.sharding import constrain
-from jaxrl.sharding.rules import active_rules
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-    """What one `generate` call produces."""
-
-    max_new_tokens: int
-    num_generations: int = 1
-    stop_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    # The paged, continuous-batching engine (`jaxrl.rollout.continuous.EngineConfig`);
-    # None: this module's static dense sampler (the reference the engine is tested against).
-    engine: Any = None
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
-
-
-@struct.dataclass
-class Rollout:
-    """B = prompts x num_generations rows, prompt-major (row p*n + g is sample g of prompt p).
-
-    logp_BxC is under the distribution sampled from (temperature, top-k, top-p applied);
-    logp_raw_BxC under the model at temperature 1. Both are 0 where the mask is 0.
-
-    A multi-turn rollout (`jaxrl.rollout.multiturn`) also sets `observation_mask_BxC`: 1 on
-    the environments' tokens inside the completion, which the trainer attends over (they are
-    in completion_mask_BxC) but never trains on (out of the loss mask; their log-probs 0).
-    """
-
-    prompt_ids_BxP: jax.Array
-    prompt_mask_BxP: jax.Array
-    completion_ids_BxC: jax.Array
-    completion_mask_BxC: jax.Array
-    logp_BxC: jax.Array
-    logp_raw_BxC: jax.Array
-    num_steps: jax.Array
-    # One-row forward passes the decode loop ran, live or not: rows x (num_steps - 1) here;
-    # the engine's slots summed over its iterations. What the decode FLOPs scale with.
-    decode_slot_steps: jax.Array
-    observation_mask_BxC: jax.Array | None = None
-
-    def model_token_mask(self) -> jax.Array:
-        """bool_BxC: the tokens the policy sampled (the completion less any observation)."""
-        mask_BxC = self.completion_mask_BxC.astype(bool)
-        if self.observation_mask_BxC is None:
-            return mask_BxC
-        return mask_BxC & ~self.observation_mask_BxC.astype(bool)
-
-
-def sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,
-                 params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`sample_tokens`, run per device on its own rows when a mesh is active.
-
-    Rows are independent, but XLA partitions `lax.top_k` by gathering every row's logits
-    onto every device (measured: an all-gather of [B, V] per decode step); under
-    `shard_map` each device samples its rows from the full vocabulary it holds.
-    """
-    active = active_rules()
-    if active is None:
-        return sample_tokens(keys_B, logits_BxV, params)
-    mesh, rules = active
-    rows = rules.spec(("batch",), logits_BxV.shape[:1], mesh)
-    rows_axes = rows[0] if len(rows) else None
-    per_device = jax.shard_map(
-        functools.partial(sample_tokens, params=params), mesh=mesh,
-        in_specs=(P(rows_axes), P(rows_axes, None)), out_specs=(P(rows_axes),) * 3)
-    return per_device(keys_B, logits_BxV)
-
-
-def prompt_keys(key: jax.Array, num_prompts: int) -> jax.Array:
-    """Per-prompt keys from one key, or the given [num_prompts] keys unchanged."""
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
-    if key.shape == ():
-        return jax.random.split(key, num_prompts)
-    if key.shape != (num_prompts,):
-        raise ValueError(f"expected one key or {num_prompts} prompt keys, got shape {key.shape}")
-    return key
 
 
 def prefill(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,

@@ -19,9 +19,13 @@ and no filter leave the logits as they are (`unchanged`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.sharding.rules import active_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +129,25 @@ def unchanged(params: SamplingParams, vocab_size: int) -> bool:
 
 def _take(values_BxV: jax.Array, index_B: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values_BxV, index_B[:, None], axis=-1)[:, 0]
+
+
+def sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,
+                 params: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sample_tokens`, run per device on its own rows when a mesh is active.
+
+    Rows are independent, but XLA partitions `lax.top_k` by gathering every row's logits
+    onto every device (measured: an all-gather of [B, V] per decode step); under
+    `shard_map` each device samples its rows from the full vocabulary it holds.
+    """
+    active = active_rules()
+    if active is None:
+        return sample_tokens(keys_B, logits_BxV, params)
+    mesh, rules = active
+    rows = rules.spec(("batch",), logits_BxV.shape[:1], mesh)
+    rows_axes = rows[0] if len(rows) else None
+    if rows_axes is None:  # rows not split (or split by a shard_map around this already)
+        return sample_tokens(keys_B, logits_BxV, params)
+    per_device = jax.shard_map(
+        functools.partial(sample_tokens, params=params), mesh=mesh,
+        in_specs=(P(rows_axes), P(rows_axes, None)), out_specs=(P(rows_axes),) * 3)
+    return per_device(keys_B, logits_BxV)

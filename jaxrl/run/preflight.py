@@ -41,7 +41,7 @@ from jaxrl.perf import (
     utilization,
 )
 from jaxrl.rollout import Sampler
-from jaxrl.rollout.continuous import max_concurrent_decodes
+from jaxrl.rollout.decode_loop import max_concurrent_decodes, row_shards
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
@@ -166,7 +166,11 @@ def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,
     layout = PoolLayout.plan(page_size=engine.page_size, num_prompts=cfg.data.batch_size,
                              prompt_len=prompt_len, max_new_tokens=new,
                              num_slots=max_concurrent_decodes(engine, run.rows))
-    worst, most = worst_row_pages(prompt_len, new, layout.page_size), layout.row_pages
+    # Rows split over d devices (`rollout_on_mesh`): each holds R / d pages, at least one
+    # worst-case row's.
+    shards = row_shards(sampler.mesh, sampler.rules, run.rows)
+    worst = shards * worst_row_pages(prompt_len, new, layout.page_size)
+    most = layout.row_pages
     if most <= worst:
         raise error
 

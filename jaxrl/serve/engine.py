@@ -1,4 +1,4 @@
-"""jaxrl's engine (`jaxrl.rollout.serving`) as JetStream's `Engine`.
+"""jaxrl's engine, driven as a server drives it (`jaxrl.rollout.serving`), as JetStream's `Engine`.
 
     engine = JetStreamEngine(graphdef, params, spec, mesh=..., rules=...)
     prefix = engine.prefill(params=p, padded_tokens=ids_L, true_length=n)
@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import from_pretrained
-from jaxrl.rollout import serving
-from jaxrl.rollout.continuous import resolve_attention
+from jaxrl.rollout import serving, slots
+from jaxrl.rollout.decode_loop import resolve_attention
 from jaxrl.rollout.engine import to_compute_dtype
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.run.run_dir import is_run_dir
@@ -52,11 +52,15 @@ def place(params: nnx.State, compute_dtype, mesh: Mesh, rules: AxisRules) -> nnx
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """What the engine serves and how: the pool's layout, sampling, stop tokens, the
-    tokenizer's directory and how it renders prompts, the prompt buckets, the attention
-    path, the model's dtypes and the seed of request keys."""
+    """What the engine serves and how: its slots, the longest prompt and completion, the
+    pool's page size, sampling, stop tokens, the tokenizer's directory and how it renders
+    prompts, the prompt buckets, the attention path, the model's dtypes and the seed of
+    request keys."""
 
-    layout: serving.ServeLayout
+    num_slots: int
+    max_prefill_length: int
+    max_new_tokens: int
+    page_size: int
     sampling: SamplingParams
     stop_token_ids: tuple[int, ...]
     tokenizer_dir: str
@@ -66,6 +70,11 @@ class EngineSpec:
     dtype: str = "float32"
     compute_dtype: str = "float32"
     seed: int = 0
+
+    @property
+    def layout(self):
+        return serving.pool_layout(self.num_slots, self.max_prefill_length, self.max_new_tokens,
+                                   self.page_size)
 
 
 class JetStreamEngine(engine_api.Engine):
@@ -77,9 +86,9 @@ class JetStreamEngine(engine_api.Engine):
         self.model_config = nnx.merge(graphdef, params).config
         self._params = place(params, self.model_config.compute_dtype, mesh, rules)
         layout = spec.layout
-        self.attention = resolve_attention(spec.attention, self.model_config, layout,
-                                           layout.num_slots)
-        self._stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
+        self.attention = slots.Attention(resolve_attention(
+            spec.attention, self.model_config, layout, spec.num_slots))
+        self._stops = slots.Stops(row_ids=tuple(spec.stop_token_ids))
         self._key = jax.random.key(spec.seed)
         self._requests = itertools.count()
         self._lock = threading.Lock()
@@ -113,8 +122,8 @@ class JetStreamEngine(engine_api.Engine):
 
     # -- the four calls ----------------------------------------------------------------------
 
-    def prefill(self, *, params: nnx.State, existing_prefix: serving.ServePrefix | None = None,
-                padded_tokens: jax.Array, true_length: int) -> serving.ServePrefix:
+    def prefill(self, *, params: nnx.State, existing_prefix: serving.Request | None = None,
+                padded_tokens: jax.Array, true_length: int) -> serving.Request:
         if existing_prefix is not None:
             raise NotImplementedError("jaxrl's engine does not extend an existing prefix "
                                       "(no session cache); send the whole prompt")
@@ -124,17 +133,17 @@ class JetStreamEngine(engine_api.Engine):
         return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32),
                              jnp.int32(true_length), key)
 
-    def insert(self, prefix: serving.ServePrefix, decode_state: serving.ServeState,
-               slot: int) -> serving.ServeState:
+    def insert(self, prefix: serving.Request, decode_state: slots.SlotState,
+               slot: int) -> slots.SlotState:
         return self._insert(prefix, decode_state, jnp.int32(slot))
 
-    def generate(self, params: nnx.State, decode_state: serving.ServeState
-                 ) -> tuple[serving.ServeState, engine_api.ResultTokens]:
+    def generate(self, params: nnx.State, decode_state: slots.SlotState
+                 ) -> tuple[slots.SlotState, engine_api.ResultTokens]:
         state, data_Sx3 = self._generate(params, decode_state)
         return state, engine_api.ResultTokens(data_Sx3, tokens_idx=(0, 1), valid_idx=(1, 2),
                                               length_idx=(2, 3), samples_per_slot=1)
 
-    def init_decode_state(self) -> serving.ServeState:
+    def init_decode_state(self) -> slots.SlotState:
         return self._init()
 
     # -- compiled bodies ---------------------------------------------------------------------
@@ -144,22 +153,24 @@ class JetStreamEngine(engine_api.Engine):
 
     def _prefill_traced(self, params, ids_L, length, key):
         with use_rules(self._mesh, self.rules):
-            return serving.prefill(self._model(params), ids_L, length, key, self.spec.sampling)
+            return serving.prefill(self._model(params), ids_L, length, key, self.spec.sampling,
+                                   self.spec.max_new_tokens)
 
     def _insert_traced(self, prefix, state, slot):
         with use_rules(self._mesh, self.rules):
-            return serving.insert(state, prefix, slot, self.spec.layout)
+            return serving.insert(state, prefix, slot, self.spec.layout, self._stops)
 
     def _generate_traced(self, params, state):
         with use_rules(self._mesh, self.rules):
-            state, out = serving.generate(self._model(params), state, self.spec.layout,
-                                          self._stop_ids, self.spec.sampling, self.attention)
-        data_Sx3 = jnp.stack([out.token_S, out.valid_S.astype(jnp.int32), out.length_S], axis=1)
+            state, sent = serving.generate(self._model(params), state, self.spec.layout,
+                                           self._stops, self.spec.sampling, self.attention)
+        data_Sx3 = jnp.stack([sent.token_S, sent.valid_S.astype(jnp.int32), sent.index_S + 1],
+                             axis=1)
         return state, data_Sx3
 
     def _init_traced(self):
         with use_rules(self._mesh, self.rules):
-            return serving.init_state(self.model_config, self.spec.layout, self._key)
+            return slots.init(self.model_config, self.spec.layout, self.spec.num_slots)
 
     # -- what the orchestrator asks ----------------------------------------------------------
 
@@ -180,7 +191,7 @@ class JetStreamEngine(engine_api.Engine):
                               jax.ShapeDtypeStruct((width,), jnp.int32),
                               jax.ShapeDtypeStruct((), jnp.int32), self._key)
 
-    def get_prefix_destination_sharding(self) -> serving.ServePrefix:
+    def get_prefix_destination_sharding(self) -> serving.Request:
         replicated = NamedSharding(self._mesh, P())
         return jax.tree.map(lambda _: replicated, self._prefix_shape)
 
@@ -193,7 +204,7 @@ class JetStreamEngine(engine_api.Engine):
 
     @property
     def max_concurrent_decodes(self) -> int:
-        return self.spec.layout.num_slots
+        return self.spec.num_slots
 
     @property
     def samples_per_slot(self) -> int:
@@ -201,7 +212,7 @@ class JetStreamEngine(engine_api.Engine):
 
     @property
     def max_prefill_length(self) -> int:
-        return self.spec.layout.max_prefill_length
+        return self.spec.max_prefill_length
 
     @property
     def mesh(self) -> Mesh:

@@ -85,6 +85,12 @@ class AxisRules:
                 return mesh_axes
         return ()
 
+    def without(self, mesh_axes: Sequence[str]) -> AxisRules:
+        """These rules with `mesh_axes` mapped to nothing: the rules inside a `shard_map`
+        that made those axes manual (each device then holds its own share of them)."""
+        return AxisRules(tuple((logical, tuple(a for a in axes if a not in mesh_axes))
+                               for logical, axes in self.rules))
+
     def size(self, logical: str, mesh: Mesh) -> int:
         """How many ways `logical` is split on `mesh` (1: replicated)."""
         return math.prod(mesh.shape.get(a, 1) for a in self.mesh_axes(logical))

@@ -52,7 +52,9 @@ from jaxrl.config.algo import resolve_logprob_chunk
 from jaxrl.models import KVCache, ModelConfig, Transformer
 from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
-from jaxrl.rollout.sampler import SamplerConfig, decode_step, prefill, sample_rows
+from jaxrl.rollout.sampler import decode_step, prefill
+from jaxrl.rollout.sampling import sample_rows
+from jaxrl.rollout.types import SamplerConfig
 from jaxrl.step.critic import completion_values
 from jaxrl.step.forward import completion_log_probs, prompt_group
 from jaxrl.step.phases import microbatch_loss

@@ -3,6 +3,7 @@ either batching and any slot count; per-row limits; pages given back and reused.
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,18 +11,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.rollout import Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.continuous import (
+from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
+from jaxrl.rollout import slots as ops
+from jaxrl.rollout.decode_loop import (
     EngineConfig,
-    generate,
-    init_decode_state,
-    insert,
+    advance,
+    begin,
     max_concurrent_decodes,
-    prefill,
+    plan,
+    rollout,
 )
-from jaxrl.rollout.decode_loop import rollout
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
-from jaxrl.rollout.sampler import prompt_keys
+from jaxrl.rollout.types import prompt_keys
 from tests.rollout.test_sampler import (
     GROUP,
     LLAMA,
@@ -165,11 +166,14 @@ def test_pages_are_given_back_and_reused():
 
     @jax.jit
     def run(state):
-        final, steps, _ = rollout(nnx.merge(graphdef, state), ids, mask, keys,
-                               jnp.full((ROWS,), NEW_TOKENS, jnp.int32), NEW_TOKENS, engine,
-                               stop_token_ids=(), pad_token_id=0,
-                               sampling=SamplingParams(0.7))
-        return final.free.count, jnp.sort(final.free.ids_F), final.row_S, steps
+        model = nnx.merge(graphdef, state)
+        plan_ = plan(model.config, engine, len(PROMPT_LENGTHS), ids.shape[1], ROWS, NEW_TOKENS,
+                     (), SamplingParams(0.7))
+        progress = advance(model, plan_, begin(
+            model, plan_, ids, mask, keys, jnp.full((ROWS,), NEW_TOKENS, jnp.int32),
+            NEW_TOKENS, 0), keys)
+        final = progress.state
+        return final.free.count, jnp.sort(final.free.ids_F), final.row_S, progress.steps
 
     count, ids_sorted, row_S, steps = run(state)
     layout = PoolLayout.plan(page_size=4, num_prompts=len(PROMPT_LENGTHS),
@@ -191,34 +195,40 @@ def test_the_engine_steps_by_hand_give_the_rollout_row():
     num_prompts = ids.shape[0]
     keys = jax.random.split(jax.random.key(3), num_prompts)
     limit = jnp.full((num_prompts,), NEW_TOKENS, jnp.int32)
-    stop, sampling = jnp.asarray([-1], jnp.int32), SamplingParams(0.7)
+    sampling = SamplingParams(0.7)
     engine = EngineConfig(max_slots=2, page_size=4, attention="xla")
-    slots = max_concurrent_decodes(engine, num_prompts)
+    num_slots = max_concurrent_decodes(engine, num_prompts)
     layout = PoolLayout.plan(page_size=4, num_prompts=num_prompts, prompt_len=ids.shape[1],
-                             max_new_tokens=NEW_TOKENS, num_slots=slots)
+                             max_new_tokens=NEW_TOKENS, num_slots=num_slots)
 
     @jax.jit
     def by_hand(state):
         model = nnx.merge(graphdef, state)
-        st = init_decode_state(model, layout, slots, num_prompts, NEW_TOKENS, 0)
-        st, prefix = prefill(model, st, layout, ids, mask, keys, limit, stop, sampling)
-        st = insert(st, prefix, layout, jnp.asarray([-1, 2], jnp.int32), limit, 1)
-        tokens = [prefix.first_token_B[2]]
+        st = ops.init(model.config, layout, num_slots)
+        prefix = ops.prefill(model, ids, mask)
+        st = ops.write_prompts(st, layout, prefix.kv_LxPxLx2KxH, prefix.length_P,
+                                 jnp.arange(num_prompts))
+        key_data = jax.random.key_data(keys)
+        first, logp, logp_raw = ops.first_tokens(prefix.logits_PxV, key_data, sampling)
+        on_1 = jnp.asarray([0, 2])  # slot 0 takes nothing; slot 1 row 2
+        st = ops.insert(st, layout, ops.Starts(
+            jnp.asarray([-1, 2]), on_1, prefix.length_P[on_1], first[on_1], logp[on_1],
+            logp_raw[on_1], key_data[on_1], limit[on_1]), ops.Stops())
+        tokens = [first[2]]
         for _ in range(NEW_TOKENS - 1):
-            st, token_S = generate(model, st, prefix, layout, engine, keys, limit, stop, 1,
-                                   sampling)
-            tokens.append(token_S[1])
-        return jnp.stack(tokens), token_S[0], st.row_S
+            st, drawn = ops.generate(model, st, layout, engine.read, ops.Stops(), sampling)
+            tokens.append(drawn.token_S[1])
+        return jnp.stack(tokens), drawn.row_S[0], st.row_S
 
     @jax.jit
     def whole(state):
         return rollout(nnx.merge(graphdef, state), ids, mask, keys, limit, NEW_TOKENS, engine,
                        stop_token_ids=(), pad_token_id=0, sampling=sampling)[0].tokens_BxC
 
-    tokens, free_token, row_S = by_hand(state)
-    assert slots == 2
+    tokens, free_row, row_S = by_hand(state)
+    assert num_slots == 2
     np.testing.assert_array_equal(tokens, whole(state)[2])
-    assert int(free_token) == -1
+    assert int(free_row) == -1  # slot 0 drew nothing
     np.testing.assert_array_equal(row_S, [-1, -1])  # the row ended at its limit
 
 
@@ -317,3 +327,32 @@ def test_engine_matches_the_reference_for_every_family(family):
     engine = Sampler(graphdef, config).generate(state, prompts(), jax.random.key(0))
     reference = sampler(T07, family, "float32").generate(state, prompts(), jax.random.key(0))
     assert_same_rows(engine, reference, atol=1e-5)
+
+
+def _pool_pages(compiled, config, page_size):
+    """Pages of the KV pool one device allocates: the [layers, pages, page_size, 2K', head
+    dim] buffer of the compiled, partitioned program."""
+    shapes = re.findall(r"f32\[(\d+),(\d+),(\d+),(\d+),(\d+)\]", compiled.as_text())
+    return max(int(n) for layers, n, page, _, h in shapes
+               if (int(layers), int(page), int(h)) == (config.num_layers, page_size,
+                                                      config.head_dim))
+
+
+def test_each_device_holds_only_its_own_slots_pages():
+    """On 8 devices (rows over data x fsdp), each device's pool is an eighth of the
+    single-device one: its own prompt's home pages and its own 2 slots' row pages (8
+    prompts x 2 samples, 16 slots in all)."""
+    from tests.rollout import test_engine as dense
+
+    mesh, graphdef, state = dense.policy((8, 1, 1))
+    config = dataclasses.replace(dense.SAMPLER, engine=EngineConfig(max_slots=16, page_size=4))
+    ids = jnp.asarray(np.arange(8 * 6).reshape(8, 6) % 40 + 3, jnp.int32)
+    prompts, key = Prompts(ids, jnp.ones((8, 6), bool)), jax.random.key(0)
+
+    def pages(sampler, state):
+        compiled = jax.jit(sampler.generate_traced).lower(state, prompts, key).compile()
+        return _pool_pages(compiled, dense.CONFIG, 4)
+
+    one = pages(Sampler(graphdef, config), jax.device_put(state, jax.devices()[0]))
+    eight = pages(Sampler(graphdef, config, mesh=mesh, rules=dense.ROLLOUT), state)
+    assert one % 8 == 0 and eight == one // 8, (one, eight)

@@ -45,7 +45,7 @@ def _left_padded(prompts, width=6):
     return ids, mask
 
 
-# -- the drivers: today's API of each engine ---------------------------------------------------
+# -- the drivers: each engine's API (the one engine's drivers since issue 39) -----------------
 
 RL_CASES = {  # name: engine settings
     "continuous_3_slots": dict(max_slots=3, page_size=4),
@@ -56,9 +56,8 @@ RL_CASES = {  # name: engine settings
 
 def rl_rows(model, case):
     """Rows of 6 prompts x 2 samples, up to 9 new tokens, temperature 1."""
-    from jaxrl.rollout.continuous import EngineConfig
-    from jaxrl.rollout.decode_loop import sample_continuous
-    from jaxrl.rollout.sampler import SamplerConfig
+    from jaxrl.rollout.decode_loop import EngineConfig, sample_continuous
+    from jaxrl.rollout.types import SamplerConfig
 
     ids, mask = _left_padded(PROMPTS)
     config = SamplerConfig(max_new_tokens=9, num_generations=2, stop_token_ids=(STOP,),
@@ -76,29 +75,27 @@ def rl_rows(model, case):
 
 def served(model, temperature):
     """Every prompt as a server drives the engine: a request takes the first free slot."""
-    import jax.numpy as jnp
-
-    from jaxrl.rollout import serving
-    from jaxrl.rollout.decode_loop import row_keys
+    from jaxrl.rollout import serving, slots
+    from jaxrl.rollout.types import row_keys
 
     sampling = SamplingParams(temperature=temperature)
-    layout = serving.ServeLayout(2, max_prefill_length=8, max_new_tokens=9, page_size=4)
+    layout = serving.pool_layout(2, max_prefill_length=8, max_new_tokens=9, page_size=4)
+    stops = slots.Stops(row_ids=(STOP,))
     keys = row_keys(jax.random.key(3), len(PROMPTS), 1)
-    prefill = jax.jit(serving.prefill, static_argnums=4)
-    insert = jax.jit(serving.insert, static_argnums=3)
-    generate = jax.jit(serving.generate, static_argnums=(2, 4))
-    stop_ids = jnp.asarray([STOP], jnp.int32)
-    state = serving.init_state(model.config, layout, jax.random.key(99))
+    prefill = jax.jit(serving.prefill, static_argnums=(4, 5))
+    insert = jax.jit(serving.insert, static_argnums=(3, 4))
+    generate = jax.jit(serving.generate, static_argnums=(2, 3, 4, 5))
+    state = slots.init(model.config, layout, 2)
     pending, owner, outputs = list(range(len(PROMPTS))), {}, [[] for _ in PROMPTS]
     while pending or owner:
-        for slot in range(layout.num_slots):
+        for slot in range(2):
             if slot not in owner and pending:
                 i = pending.pop(0)
-                ids_L = np.zeros((layout.max_prefill_length,), np.int32)
+                ids_L = np.zeros((8,), np.int32)
                 ids_L[:len(PROMPTS[i])] = PROMPTS[i]
-                prefix = prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling)
-                state, owner[slot] = insert(state, prefix, slot, layout), i
-        state, out = generate(model, state, layout, stop_ids, sampling)
+                prefix = prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling, 9)
+                state, owner[slot] = insert(state, prefix, slot, layout, stops), i
+        state, out = generate(model, state, layout, stops, sampling, slots.Attention())
         for slot in list(owner):
             if bool(out.valid_S[slot]):
                 outputs[owner[slot]].append(int(out.token_S[slot]))

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (`jaxrl.rollout.multiturn`, `jaxrl.rollout.turns`): an observation
+"""Multi-turn rollouts (`jaxrl.rollout.multiturn`, `jaxrl.rollout.slots.extend`): an observation
 appended as one chunk equals the full forward and token-by-token decoding; the token layout,
 masks and turn boundaries of a scripted environment; the sampler's log-probs equal the
 trainer's; slots waiting on an environment do not stall the others; the budget and turn
@@ -16,10 +16,10 @@ from flax import nnx
 from jaxrl.envs.base import Observation, ToolStats
 from jaxrl.models import PagedKV, Transformer
 from jaxrl.models.config import tiny_config
-from jaxrl.rollout import turns
+from jaxrl.rollout import slots
 from jaxrl.rollout.multiturn import MultiTurnConfig, jitted_ops, rollout_multiturn
+from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.rollout.serving import ServeLayout
 from jaxrl.step.forward import completion_log_probs
 
 EOS = 2
@@ -86,23 +86,28 @@ def test_extend_equals_the_full_forward_and_token_by_token_decoding(family, over
     model = Transformer(tiny_config(family, vocab_size=48, eos_token_id=EOS, **overrides),
                         rngs=nnx.Rngs(0))
     sampling = SamplingParams(temperature=0.0)
-    layout = ServeLayout(2, WIDTH, 16, page_size=4)
-    limits = turns.TurnLimits((), max_turn_tokens=3, max_total_tokens=16)
+    layout = PoolLayout.plan(page_size=4, num_prompts=2, prompt_len=WIDTH, max_new_tokens=16,
+                             num_slots=2)
+    stops = slots.Stops(turn_tokens=3)
     ids, mask = _prompts(PROMPTS[:1])
-    state = turns.init_turn_state(model.config, layout)
-    prefix = turns.prefill_prompt(model, ids[0], mask[0])
-    state = turns.start(state, prefix, jax.random.key(1), 1, layout, sampling)  # slot 1
-    turn = []
-    for _ in range(3):
-        state, out = turns.step(model, state, layout, limits, sampling)
-        turn.append(int(out.token_S[1]))
-    assert bool(out.ended_S[1]) and not bool(state.live_S[1])
+    state = slots.init(model.config, layout, 2)
+    prefix = slots.prefill(model, ids, mask)
+    key_1xK = jax.random.key_data(jax.random.key(1))[None]
+    first = slots.first_tokens(prefix.logits_PxV, key_1xK, sampling)
+    row = slots.Starts(jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), prefix.length_P,
+                       *first, key_1xK, jnp.full((1,), 16, jnp.int32))
+    state = slots.insert_home(state, layout, prefix, row, 1, stops)  # slot 1
+    turn = [int(first[0][0])]
+    for _ in range(2):
+        state, drawn = slots.generate(model, state, layout, slots.Attention(), stops, sampling)
+        turn.append(int(drawn.token_S[1]))
+    assert bool(drawn.turn_end_S[1]) and not bool(state.live_S[1])  # the turn's 3rd token
     obs = [11, 12, 13, 14, 15]
     chunk = np.zeros((8,), np.int32)
     chunk[:6] = [turn[-1], *obs]
     pos = int(state.pos_S[1])
     assert pos == 3 + 2  # the turn's last token is not fed yet
-    extended, logits_V = turns.extend(model, state, 1, chunk, 6, layout, sampling)
+    extended, logits_V = slots.extend(model, state, layout, 1, chunk, 6, True, stops, sampling)
 
     full = jnp.asarray([PROMPTS[0] + turn + obs])
     want_V = model(full)[0, -1]
@@ -110,7 +115,7 @@ def test_extend_equals_the_full_forward_and_token_by_token_decoding(family, over
     assert int(extended.token_S[1]) == int(jnp.argmax(want_V))  # greedy draws from it
     assert int(extended.pos_S[1]) == pos + 6 and bool(extended.live_S[1])
 
-    kv_pages, table = state.kv_pages, layout.page_table()
+    kv_pages, table = state.kv_pages, state.page_table_SxM
     for i, token in enumerate(chunk[:6]):
         p = pos + i
         paged = PagedKV(kv_pages, table, jnp.asarray([0, p + 1]),

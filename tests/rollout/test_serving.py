@@ -3,8 +3,9 @@ a request's tokens equal the RL engine's row with the same key, whatever slot it
 whatever ran there before; stop tokens and the token cap end a slot; the slot count that
 fits in memory; the `serve` config section."""
 
+import dataclasses
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,15 +13,30 @@ from flax import nnx
 from jaxrl.config import ExperimentConfig, load_config, shipped_config
 from jaxrl.models import Transformer
 from jaxrl.models.config import tiny_config
-from jaxrl.rollout import serving
-from jaxrl.rollout.continuous import EngineConfig
-from jaxrl.rollout.decode_loop import row_keys, sample_continuous
-from jaxrl.rollout.sampler import SamplerConfig
+from jaxrl.rollout import serving, slots
+from jaxrl.rollout.decode_loop import EngineConfig, sample_continuous
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.types import SamplerConfig, row_keys
 
 EOS = 2
+XLA = slots.Attention()
 QUICKSTART = shipped_config("quickstart.yaml")
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31], [8, 9, 10, 11], [40, 41, 42]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A server's settings: its slots, longest prompt and completion, and page size."""
+
+    num_slots: int
+    max_prefill_length: int
+    max_new_tokens: int
+    page_size: int
+
+    @property
+    def pool(self):
+        return serving.pool_layout(self.num_slots, self.max_prefill_length,
+                                   self.max_new_tokens, self.page_size)
 
 
 @pytest.fixture(scope="module")
@@ -42,30 +58,31 @@ def _reference(model, prompts, key, sampling, max_new_tokens, stop=(EOS,)):
             for row, rmask in zip(out.completion_ids_BxC, out.completion_mask_BxC, strict=True)]
 
 
-def _serve(model, prompts, keys, sampling, layout, stop=(EOS,)):
+def _serve(model, prompts, keys, sampling, shape, stop=(EOS,)):
     """Every prompt through prefill / insert / generate as a server drives them: a request
     takes the first free slot (a slot is free once it returned an invalid token)."""
-    prefill = jax.jit(serving.prefill, static_argnums=4)
-    insert = jax.jit(serving.insert, static_argnums=3)
-    generate = jax.jit(serving.generate, static_argnums=(2, 4))
-    stop_ids = jnp.asarray(stop or (-1,), jnp.int32)
-    state = serving.init_state(model.config, layout, jax.random.key(99))
+    prefill = jax.jit(serving.prefill, static_argnums=(4, 5))
+    insert = jax.jit(serving.insert, static_argnums=(3, 4))
+    generate = jax.jit(serving.generate, static_argnums=(2, 3, 4, 5))
+    stops, layout = slots.Stops(row_ids=tuple(stop)), shape.pool
+    state = slots.init(model.config, layout, shape.num_slots)
     pending, owner, outputs = list(range(len(prompts))), {}, {i: [] for i in range(len(prompts))}
     for _ in range(200):
-        for slot in range(layout.num_slots):
+        for slot in range(shape.num_slots):
             if slot not in owner and pending:
                 i = pending.pop(0)
-                ids_L = np.zeros((layout.max_prefill_length,), np.int32)
+                ids_L = np.zeros((shape.max_prefill_length,), np.int32)
                 ids_L[:len(prompts[i])] = prompts[i]
-                prefix = prefill(model, ids_L, len(prompts[i]), keys[i], sampling)
-                state, owner[slot] = insert(state, prefix, slot, layout), i
+                prefix = prefill(model, ids_L, len(prompts[i]), keys[i], sampling,
+                                 shape.max_new_tokens)
+                state, owner[slot] = insert(state, prefix, slot, layout, stops), i
         if not owner:
             return [outputs[i] for i in range(len(prompts))]
-        state, out = generate(model, state, layout, stop_ids, sampling)
+        state, out = generate(model, state, layout, stops, sampling, XLA)
         for slot, i in list(owner.items()):
             if bool(out.valid_S[slot]):
                 outputs[i].append(int(out.token_S[slot]))
-                assert int(out.length_S[slot]) == len(outputs[i])
+                assert int(out.index_S[slot]) + 1 == len(outputs[i])
             else:
                 del owner[slot]
     raise AssertionError("requests did not finish")
@@ -80,7 +97,7 @@ def test_requests_equal_the_rl_engine_rows_in_any_slot(model, num_slots):
     # A stop token that some rows draw early (the tiny random model rarely draws its EOS).
     stop = (_reference(model, PROMPTS, key, sampling, 9, stop=())[0][2],)
     want = _reference(model, PROMPTS, key, sampling, max_new_tokens=9, stop=stop)
-    layout = serving.ServeLayout(num_slots, max_prefill_length=8, max_new_tokens=9, page_size=4)
+    layout = Shape(num_slots, max_prefill_length=8, max_new_tokens=9, page_size=4)
     got = _serve(model, PROMPTS, row_keys(key, len(PROMPTS), 1), sampling, layout, stop=stop)
     assert got == want
     assert any(len(w) < 9 for w in want) and any(len(w) == 9 for w in want)  # both endings
@@ -88,7 +105,7 @@ def test_requests_equal_the_rl_engine_rows_in_any_slot(model, num_slots):
 
 def test_greedy_without_stop_tokens_runs_to_the_cap(model):
     sampling = SamplingParams(temperature=0.0)
-    layout = serving.ServeLayout(3, max_prefill_length=16, max_new_tokens=5, page_size=16)
+    layout = Shape(3, max_prefill_length=16, max_new_tokens=5, page_size=16)
     keys = row_keys(jax.random.key(0), len(PROMPTS), 1)
     got = _serve(model, PROMPTS, keys, sampling, layout, stop=())
     assert got == _reference(model, PROMPTS, jax.random.key(0), sampling, 5, stop=())
@@ -97,31 +114,33 @@ def test_greedy_without_stop_tokens_runs_to_the_cap(model):
 
 def test_a_request_inserted_over_a_live_slot_is_unaffected_by_it(model):
     """JetStream frees a slot as soon as its request has max_tokens tokens, while the engine
-    still decodes it: the next request inserted there gets its own tokens."""
+    still decodes it: the next request inserted there gets its own tokens, and the pages of
+    the one it replaced go back to the free stack."""
     sampling = SamplingParams(temperature=1.0)
     keys = row_keys(jax.random.key(5), 2, 1)
     want = _reference(model, PROMPTS[:2], jax.random.key(5), sampling, 8, stop=())[1]
-    layout = serving.ServeLayout(2, max_prefill_length=8, max_new_tokens=8, page_size=4)
-    stop = jnp.asarray([-1], jnp.int32)
-    state = serving.init_state(model.config, layout, jax.random.key(0))
+    layout = Shape(2, max_prefill_length=8, max_new_tokens=8, page_size=4).pool
+    stops = slots.Stops()
+    state = slots.init(model.config, layout, 2)
     for i, slot in ((0, 0), (1, 0)):  # B over A after 3 steps, with A live
         ids_L = np.zeros((8,), np.int32)
         ids_L[:len(PROMPTS[i])] = PROMPTS[i]
-        prefix = serving.prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling)
-        state = serving.insert(state, prefix, slot, layout)
+        prefix = serving.prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling, 8)
+        state = serving.insert(state, prefix, slot, layout, stops)
         got = []
         for _ in range(3 if i == 0 else 9):
             assert i == 1 or bool(state.live_S[0])
-            state, out = serving.generate(model, state, layout, stop, sampling)
+            state, out = serving.generate(model, state, layout, stops, sampling, XLA)
             if bool(out.valid_S[0]):
                 got.append(int(out.token_S[0]))
     assert got == want
+    assert int(state.free.count) == layout.row_pages  # every row page free again
 
 
 def test_a_first_token_that_stops_is_emitted_alone(model):
     """A stop token drawn at prefill is the request's only token."""
     sampling = SamplingParams(temperature=0.0)
-    layout = serving.ServeLayout(2, max_prefill_length=8, max_new_tokens=6, page_size=4)
+    layout = Shape(2, max_prefill_length=8, max_new_tokens=6, page_size=4)
     first = _serve(model, PROMPTS[:1], row_keys(jax.random.key(0), 1, 1), sampling, layout,
                    stop=())[0][0]
     got = _serve(model, PROMPTS[:1], row_keys(jax.random.key(0), 1, 1), sampling, layout,
@@ -129,20 +148,22 @@ def test_a_first_token_that_stops_is_emitted_alone(model):
     assert got == [[first]]
 
 
-def test_pages_of_a_slot_cover_its_longest_request():
-    layout = serving.ServeLayout(3, max_prefill_length=10, max_new_tokens=7, page_size=4)
-    assert layout.slot_pages == 4  # 10 + 7 - 1 = 16 positions, 4 pages of 4
-    table = np.asarray(layout.page_table())
-    assert table.shape == (3, 4) and sorted(table.ravel().tolist()) == list(range(12))
+def test_each_slot_is_a_prompt_home_with_row_pages_for_its_longest_request():
+    layout = serving.pool_layout(3, max_prefill_length=10, max_new_tokens=7, page_size=4)
+    # A home of 3 pages per slot (10 prompt tokens); a row writes positions n .. n + 5, at
+    # most 3 pages of its own (its partial last prompt page copied into the first).
+    assert (layout.num_prompts, layout.prompt_pages, layout.row_pages) == (3, 3, 3 * 3)
+    assert layout.table_width == 4 and layout.num_pages == 18  # 16 positions, 4 pages
     with pytest.raises(ValueError, match="num_slots must be >= 1, got 0"):
-        serving.ServeLayout(0, 10, 7, 4)
+        serving.pool_layout(0, 10, 7, 4)
 
 
 def test_slots_that_fit_count_kv_bytes_beside_the_weights():
     config = tiny_config("llama")  # fp32
     per_slot = serving.slot_bytes(config, 12, 5, 4)
     c = config
-    assert per_slot == 4 * 4 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    # 3 home pages (12 prompt tokens) and 2 own pages (positions n .. n + 3), of 4 tokens.
+    assert per_slot == (3 + 2) * 4 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     fit = serving.slots_that_fit(config, memory_bytes=100 * per_slot, weight_bytes=10 * per_slot,
                                  max_prefill_length=12, max_new_tokens=5, page_size=4,
                                  fraction=0.5)

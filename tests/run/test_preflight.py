@@ -1,6 +1,7 @@
 """The memory fit before the first step: the engine's KV pool is sized to what fits."""
 
 import io
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -12,11 +13,21 @@ from jaxrl.run.start import start_run
 from tests.commands.test_failures import QUICKSTART
 
 # Long completions, small training microbatches: the KV pool is most of the step's memory
-# (measured per device, fsdp over the 8 test devices: 23.1 MiB peak with every slot's worst
-# case, 9.8 MiB with one row's pages).
+# when the rollout does not split its rows over the devices (measured per device, fsdp over
+# the 8 test devices with the rollout's rows unsplit: 28.0 MiB peak with every slot's worst
+# case; 13.1 MiB with 355 row pages); split (fsdp as shipped), 9.3 MiB.
 POOL_HEAVY = ["rollout.max_new_tokens=128", "algo.microbatch_size=4", "eval.num_prompts=0",
               "log.tensorboard=false", "log.plot=false"]
 LIMIT_GIB = 0.015  # 15.4 MiB: between the two
+
+
+def _unsplit_layout(tmp_path):
+    """fsdp, but the rollout keeps every row on every device (its pool replicated)."""
+    text = (Path(__file__).parents[2] / "sharding" / "fsdp.yaml").read_text()
+    train, rollout = text.split("  rollout:")
+    path = tmp_path / "unsplit.yaml"
+    path.write_text(train + "  rollout:" + rollout.replace("batch: [data, fsdp]", "batch: null", 1))
+    return f"sharding.layout={path}"
 
 
 def _start(tmp_path, *overrides):
@@ -28,7 +39,8 @@ def _start(tmp_path, *overrides):
 
 
 def test_the_kv_pool_shrinks_to_what_fits(tmp_path):
-    started, out = _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}")
+    started, out = _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}",
+                          _unsplit_layout(tmp_path))
     memory, engine = started.pre.memory, started.run.step.sampler.config.engine
     worst = worst_row_pages(6, 128, 16)
     assert memory.fits and memory.peak_bytes <= LIMIT_GIB * 2**30
@@ -42,5 +54,15 @@ def test_the_kv_pool_shrinks_to_what_fits(tmp_path):
 def test_a_set_kv_pages_is_not_resized(tmp_path):
     """rollout.kv_pages is the user's: too big is an error naming the step's numbers."""
     with pytest.raises(MemoryFitError, match="per device, more than the"):
-        _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}",
+        _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}", _unsplit_layout(tmp_path),
                f"rollout.kv_pages={256 * worst_row_pages(6, 128, 16)}")
+
+
+def test_rows_split_over_the_devices_fit_with_every_slots_worst_case(tmp_path):
+    """The same step with the rollout's rows split over the 8 devices (fsdp as shipped):
+    each device holds an eighth of the pool, and every slot's worst case fits."""
+    started, _ = _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}")
+    memory, engine = started.pre.memory, started.run.step.sampler.config.engine
+    assert memory.fits and memory.peak_bytes <= LIMIT_GIB * 2**30
+    assert engine.row_pages is None  # not shrunk
+    started.checkpoints.close()

@@ -26,7 +26,7 @@ def make_engine(model_dir, *, layout="fsdp_tp", slots=SLOTS, stop=(2,)):
     mesh = make_mesh(preset)
     model = from_pretrained(model_dir, mesh=mesh, rules=preset.rollout_rules)
     graphdef, params = nnx.split(model)
-    spec = EngineSpec(layout=serving.ServeLayout(slots, PREFILL, NEW, 4),
+    spec = EngineSpec(num_slots=slots, max_prefill_length=PREFILL, max_new_tokens=NEW, page_size=4,
                       sampling=SamplingParams(temperature=0.0), stop_token_ids=stop,
                       tokenizer_dir=str(model_dir), chat_template=True, buckets=(16, PREFILL))
     return JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=preset.rollout_rules)
@@ -118,11 +118,12 @@ def test_prefix_and_decode_state_shapes(engine):
     ids, n = tokenizer.encode("abc")
     prefix = engine.prefill(params=params, padded_tokens=ids, true_length=n)
     c = engine.model_config
-    assert prefix.kv_LxTx2KxH.shape == (c.num_layers, 16, 2 * c.num_kv_heads, c.head_dim)
-    assert int(prefix.length) == n
+    kv, request = prefix
+    assert kv.kv_LxPxLx2KxH.shape == (c.num_layers, 1, 16, 2 * c.num_kv_heads, c.head_dim)
+    assert int(kv.length_P[0]) == n and int(request.length_S[0]) == n
     state = engine.insert(prefix, engine.init_decode_state(), 2)
     assert state.live_S.tolist() == [False, False, True]
-    assert state.kv_pages.shape[1] == SLOTS * serving.ServeLayout(SLOTS, PREFILL, NEW, 4).slot_pages
+    assert state.kv_pages.shape[1] == serving.pool_layout(SLOTS, PREFILL, NEW, 4).num_pages
     with pytest.raises(NotImplementedError, match="existing prefix"):
         engine.prefill(params=params, existing_prefix=prefix, padded_tokens=ids, true_length=n)
 

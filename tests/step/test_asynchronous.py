@@ -13,7 +13,7 @@ from flax import nnx
 from jaxrl.models import Transformer
 from jaxrl.rl import JaxReward, RewardSet
 from jaxrl.rollout import Sampler
-from jaxrl.rollout.continuous import EngineConfig
+from jaxrl.rollout.decode_loop import EngineConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step import create_train_state
