@@ -83,8 +83,8 @@ def _shellcheck() -> str:
 
 
 def test_shellcheck_passes_on_every_launcher():
-    scripts = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch")])
-    assert {TPU_POD, SLURM} <= set(scripts), scripts
+    scripts = sorted([*LAUNCH.rglob("*.sh"), *LAUNCH.rglob("*.sbatch")])
+    assert {TPU_POD, SLURM, LAUNCH / "testing" / "local_slurm.sh"} <= set(scripts), scripts
     # Warnings and errors: info and style notes differ between shellcheck releases and include
     # false positives (SC2329 for functions only a trap calls).
     proc = subprocess.run([_shellcheck(), "-x", "--shell=bash", "--severity=warning",
