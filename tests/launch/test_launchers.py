@@ -371,6 +371,8 @@ def test_slurm_tasks_per_node_from_slurm_tasks_per_node(slurm):
     ({"SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8"}, "--gpus-per-node"),
     ({"PROCESS_PER": "host", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
       "SLURM_GPUS_ON_NODE": "8"}, "PROCESS_PER must be gpu or node"),
+    ({"JAX_PLATFORMS": "cpu", "PROCESS_PER": "node", "SLURM_NTASKS": "4",
+      "SLURM_NTASKS_PER_NODE": "2"}, "unset PROCESS_PER"),
 ])
 def test_slurm_inconsistent_allocation_is_refused(slurm, env, message):
     run, log, _ = slurm
