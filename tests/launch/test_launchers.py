@@ -408,4 +408,5 @@ def test_slurm_directives_come_before_the_first_command():
     options = dict(d.split("=", 1) for d in directives)
     assert options["--ntasks-per-node"] == options["--gpus-per-node"]
     assert options["--signal"] == "TERM@300"
+    assert options["--open-mode"] == "append"  # a requeued run's log follows the first one's
     assert {"--nodes", "--cpus-per-task", "--time", "--output"} <= set(options)

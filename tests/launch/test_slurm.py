@@ -93,9 +93,10 @@ def _slurm(conf: str, *args: str) -> str:
 
 def _sbatch(conf: str, log: Path, *args: str, devices: int = 4, env: dict | None = None,
             sbatch: tuple[str, ...] = ()) -> str:
-    """Submits slurm_gpu.sbatch CONFIG RUN args from the repository root (2 tasks of
-    `devices` CPU devices each; output appended to `log`); returns the job id. The job gets
-    a clean environment: the scheduler's own variables, never the test process's."""
+    """Submits slurm_gpu.sbatch with `args` from the repository root (2 tasks of `devices`
+    CPU devices each; output to `log`, where a requeued run appends: the script's
+    --open-mode=append); returns the job id. sbatch passes on the environment built here,
+    none of the test process's JAX_, XLA_ or SLURM_ variables."""
     venv = Path(sys.prefix)
     job_env = {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -111,8 +112,7 @@ def _sbatch(conf: str, log: Path, *args: str, devices: int = 4, env: dict | None
         "JAX_COORDINATOR_PORT": str(_free_port()),
         **(env or {}),
     }
-    cmd = ["sbatch", "--parsable", f"--output={log}", "--open-mode=append", *TASKS, *sbatch,
-           str(SLURM), *args]
+    cmd = ["sbatch", "--parsable", f"--output={log}", *TASKS, *sbatch, str(SLURM), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
