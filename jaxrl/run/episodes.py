@@ -22,6 +22,7 @@ from jaxrl.config.algo import AlgoSection
 from jaxrl.data.tasks.task import Task
 from jaxrl.data.tokenizer import pad_token_id
 from jaxrl.envs.registry import make_env_factory
+from jaxrl.envs.sandbox import SandboxUnavailable
 from jaxrl.envs.tool_calls import format_for, make_format
 from jaxrl.envs.tool_env import ToolsConfig
 from jaxrl.envs.tools import tool_schema
@@ -71,15 +72,23 @@ def tools_config(cfg: ExperimentConfig) -> ToolsConfig:
                        max_calls_per_turn=t.max_calls_per_turn,
                        python_timeout_s=t.python_timeout_s, python_memory_mb=t.python_memory_mb,
                        python_max_output_bytes=t.python_max_output_bytes,
-                       max_result_chars=t.max_result_chars)
+                       max_result_chars=t.max_result_chars,
+                       python_sandbox=t.python_sandbox)
 
 
 def prompt_tools(cfg: ExperimentConfig, spec: str | None) -> tuple[dict, ...] | None:
     """The tool environment's function schemas for the prompts' chat template; None for
-    another environment or none."""
+    another environment or none. Builds the tools, so a python tool without its sandbox
+    program stops the run here (ConfigError), before any model loads."""
     if spec != TOOLS_ENV:
         return None
-    return tuple(tool_schema(tool) for tool in tools_config(cfg).build_tools())
+    try:
+        tools = tools_config(cfg).build_tools()
+    except SandboxUnavailable as e:
+        raise ConfigError(f"data.tools.names={list(cfg.data.tools.names)} includes python: {e}; "
+                          f"or set data.tools.python_sandbox=guard (an in-process guard, no "
+                          f"security boundary)") from None
+    return tuple(tool_schema(tool) for tool in tools)
 
 
 def end_tag_ids(spec: str, tools: ToolsConfig, tokenizer: PreTrainedTokenizerBase
