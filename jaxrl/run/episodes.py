@@ -21,14 +21,15 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config.algo import AlgoSection
 from jaxrl.data.tasks.task import Task
 from jaxrl.data.tokenizer import pad_token_id
-from jaxrl.envs.registry import make_env_factory
+from jaxrl.envs.base import EnvFailure
+from jaxrl.envs.registry import resolve_env
 from jaxrl.envs.sandbox import SandboxUnavailable
 from jaxrl.envs.tool_calls import format_for, make_format
 from jaxrl.envs.tool_env import ToolsConfig
 from jaxrl.envs.tools import tool_schema
 from jaxrl.rl.rewards import JaxReward
 from jaxrl.rollout.multiturn import MultiTurnConfig
-from jaxrl.step.multiturn import Episodes, env_reward
+from jaxrl.step.multiturn import Episodes, env_reward, make_environment
 
 TOOLS_ENV = "tools"
 
@@ -122,9 +123,22 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
     """The environments and turn limits of the run's multi-turn rollout."""
     tools = tools_config(cfg)
     try:
-        make_env = make_env_factory(spec, tools, tokenizer)
-    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        builder = resolve_env(spec)
+    except ValueError as e:
         raise ConfigError(f"data.env={spec!r}: {e}") from None
+    try:
+        make_env = builder(tools, tokenizer)
+    except Exception as e:  # the user's builder: named, exit 2 (nothing has run yet)
+        raise ConfigError(f"data.env={spec!r}: the builder raised {type(e).__name__}: {e}; "
+                          f"expected build(tools_config, tokenizer) -> factory") from None
+    if not callable(make_env):
+        raise ConfigError(f"data.env={spec!r}: the builder returned a "
+                          f"{type(make_env).__name__}, not a factory row -> Environment")
+    rows = RowView(task.train_rows)
+    try:  # the factory on the first row, so one that always fails stops the run before step 0
+        make_environment(make_env, rows, 0, spec=spec)
+    except EnvFailure as e:
+        raise ConfigError(str(e)) from None
     r = cfg.rollout
     b = cfg.data.batch_size * r.num_generations
     stops = (*end_tag_ids(spec, tools, tokenizer), *r.stop_token_ids)
@@ -133,8 +147,7 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
         max_turn_tokens=r.max_new_tokens, num_slots=min(r.max_slots or b, b),
         page_size=r.page_size, stop_token_ids=tuple(dict.fromkeys(stops)),
         eos_token_ids=() if r.ignore_eos else tuple(eos_ids),
-        pad_token_id=pad_token_id(tokenizer))
-    rows = task.train_rows
+        pad_token_id=pad_token_id(tokenizer), env_timeout_s=cfg.data.env_timeout_s)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -142,7 +155,7 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    return Episodes(make_env, RowView(rows), encode, decode, config)
+    return Episodes(make_env, rows, encode, decode, config, spec)
 
 
 class RowView:
