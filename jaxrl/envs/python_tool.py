@@ -208,7 +208,7 @@ class PythonTool:
         if self.sandbox == "bwrap":
             object.__setattr__(self, "_bwrap", find_bwrap())
         elif self.sandbox == "guard":
-            warnings.warn(GUARD_WARNING, stacklevel=2)
+            warnings.warn(GUARD_WARNING, stacklevel=3)  # the caller of PythonTool(...)
         else:
             raise ValueError(f"PythonTool.sandbox must be 'bwrap' or 'guard', got "
                              f"{self.sandbox!r}")
