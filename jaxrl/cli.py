@@ -5,8 +5,9 @@ something goes wrong is decided here, once for every command:
 
     exit 2    bad input: a config key, model or data file, run directory, checkpoint; one
               message naming the thing and what was expected
-    exit 1    a fault: training stopped (non-finite updates, failing rewards), disk full, a
-              crash of jaxrl or of user code (reward, environment)
+    exit 1    a fault: training stopped (non-finite updates, failing rewards), disk full, an
+              environment that failed or broke its contract during a step, a crash of jaxrl
+              or of user code (reward)
     exit 130  Ctrl-C (train: after the step in flight and a checkpoint; a second one at once)
 
 No traceback is printed unless `--debug` or JAXRL_DEBUG=1 asks for it (then it comes before
@@ -257,6 +258,7 @@ def _describe(e: BaseException) -> tuple[int | None, str]:
     that is not one (SystemExit)."""
     # Imported here: the training loop and orbax are heavy, and most commands need neither.
     from jaxrl.distributed import is_lost_peer
+    from jaxrl.envs.base import EnvFailure
     from jaxrl.run.checkpoint import RestoreError
     from jaxrl.run.loop import TrainingStopped
 
@@ -276,6 +278,8 @@ def _describe(e: BaseException) -> tuple[int | None, str]:
         return EXIT_CONFIG_ERROR, f"[bold red]error[/]: {message}"
     if isinstance(e, TrainingStopped):
         return EXIT_TRAINING_FAILED, f"[bold red]training stopped[/]: {message}"
+    if isinstance(e, EnvFailure):
+        return EXIT_TRAINING_FAILED, f"[bold red]environment failed[/]: {message}"
     if isinstance(e, PermissionError):
         return EXIT_CONFIG_ERROR, (f"[bold red]error[/]: permission denied: "
                                    f"{escape(str(e.filename))} cannot be written or read "

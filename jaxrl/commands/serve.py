@@ -1,10 +1,13 @@
 """`jaxrl serve CONFIG [overrides] [--step N]`: serve a policy with JetStream over gRPC.
 
-    policy   checkpoint N (newest without --step) of train.run_dir when it has checkpoints,
-             else its final_model/, else model.path; on the mesh of sharding.layout
-    slots    serve.max_slots, or as many as fit in serve.memory_fraction of a device
-    server   JetStream's orchestrator and gRPC service on serve.host:serve.port
-             (`jaxrl.serve.server`), every program compiled first (serve.warmup)
+    port     serve.host:serve.port bound first: a taken one is refused before anything loads
+    policy   with train.run_dir: its checkpoint N (newest without --step), else its
+             final_model/ (a run_dir missing or holding neither is refused, naming it); else
+             model.path; on the mesh of sharding.layout
+    slots    serve.max_slots, or as many as fit in serve.memory_fraction of a device; an
+             explicit count the KV cache cannot fit is refused before the pool is allocated
+    server   JetStream's orchestrator and gRPC service on that port (`jaxrl.serve.server`),
+             every program compiled first (serve.warmup)
     prints   "serving on HOST:PORT" (stderr) once it answers, then serves until SIGTERM or
              SIGINT: new requests are refused, those in flight finish (serve.drain_timeout_s),
              the command returns its JSON line with exit 0; a second Ctrl-C cuts the drain
@@ -40,7 +43,6 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
               stop: threading.Event | None = None) -> dict[str, Any]:
     """Serves until SIGTERM / SIGINT (or `stop` is set); returns the JSON summary."""
     try:
-        from jaxrl.serve.engine import EngineSpec, JetStreamEngine, place
         from jaxrl.serve.server import Server
     except ImportError as e:  # jaxrl.serve.jetstream's message says how to install it
         raise ConfigError(str(e)) from None
@@ -48,6 +50,20 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         raise ConfigError(f"jaxrl serve runs in one process (one host's devices), got "
                           f"{jax.process_count()} processes; start it without "
                           f"distributed.* settings")
+    serve = cfg.serve
+    # The port first: a taken one is found before the policy loads and compiles.
+    server = Server(serve.host, serve.port, threads=serve.max_slots or serving.MAX_FIT_SLOTS)
+    try:
+        return _serve(cfg, console, step, stop or threading.Event(), server)
+    finally:
+        server.close()  # after an error or a second signal: requests in flight are cut
+
+
+def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: threading.Event,
+           server: Any) -> dict[str, Any]:
+    """`run_serve` once the port is bound: load, size, compile, serve until a signal."""
+    from jaxrl.serve.engine import EngineSpec, JetStreamEngine, place
+
     serve = cfg.serve
     layout = resolve_layout(cfg.sharding.layout)
     mesh = make_mesh(layout)
@@ -79,9 +95,7 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
         engine.warmup()
         console.print(f"compiled {len(spec.buckets)} prefill buckets {list(spec.buckets)}, "
                       f"insert and generate in {time.perf_counter() - start:.1f}s")
-    stop = stop or threading.Event()
-    server = Server(engine, engine.load_params(), host=serve.host, port=serve.port,
-                    max_new_tokens=serve.max_new_tokens)
+    server.serve(engine, engine.load_params(), max_new_tokens=serve.max_new_tokens)
     signals = _Signals()
     try:
         server.start()
@@ -96,7 +110,6 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
             f"[bold]serve[/]: {received} received: draining (up to {serve.drain_timeout_s:g}s; "
             f"new requests are refused; a second Ctrl-C stops at once)"))
     finally:
-        server.close()  # after an error or a second signal: requests in flight are cut
         signals.restore()
     console.print("[bold]serve[/]: stopped")
     return {"address": address, "port": server.port, "slots": slots, "policy": source,
@@ -106,6 +119,11 @@ def run_serve(cfg: ExperimentConfig, console: Console, *, step: int | None = Non
 def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
     """(model, its tokenizer's directory, a description) by the module docstring's order."""
     run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else None
+    if run_dir is not None and not run_dir.is_dir():
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} "
+                          f"{'is a file' if run_dir.exists() else 'does not exist'}; expected a "
+                          f"run directory holding checkpoints/ or final_model/ (or leave "
+                          f"train.run_dir unset and give model.path)")
     if run_dir is not None and (run_dir / "checkpoints").is_dir():
         checkpoints = Checkpoints(run_dir, async_save=False)
         try:
@@ -120,6 +138,11 @@ def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
                           f"train.run_dir={cfg.train.run_dir}")
     if run_dir is not None and (run_dir / FINAL_MODEL_DIR / "config.json").is_file():
         path = run_dir / FINAL_MODEL_DIR
+    elif run_dir is not None:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds no policy: no checkpoint in "
+                          f"checkpoints/ and no {FINAL_MODEL_DIR}/config.json (a run saves them "
+                          f"as it trains and at its end); give a run directory that has one, or "
+                          f"leave train.run_dir unset and give model.path")
     elif cfg.model.path:
         path = Path(cfg.model.path)
     else:
@@ -133,21 +156,32 @@ def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
 
 
 def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
-    """serve.max_slots, or what fits beside the weights (`params`: as served, one device's
-    share of them)."""
+    """serve.max_slots (refused when its KV pages do not fit), or what fits beside the
+    weights (`params`: as served, one device's share of them)."""
     serve = cfg.serve
-    if serve.max_slots is not None:
-        return serve.max_slots
     memory, where = memory_limit(cfg.perf.memory_limit_gib)
     device = jax.local_devices()[0]
     weights = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
                   if s.device == device)
     kw = dict(max_prefill_length=serve.max_prefill_length,
               max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size)
+    per_slot = serving.slot_bytes(model_config, **kw)
+    if serve.max_slots is not None:  # checked before the engine allocates the pool
+        fit = serving.slots_that_fit(model_config, memory_bytes=memory, weight_bytes=weights,
+                                     fraction=serve.memory_fraction, cap=None, **kw)
+        if serve.max_slots > fit:
+            raise MemoryFitError(
+                f"serve.max_slots={serve.max_slots:,} needs "
+                f"{format_bytes(serve.max_slots * per_slot)} of KV cache per device "
+                f"({format_bytes(per_slot)} per slot) beside {format_bytes(weights)} of weights, "
+                f"more than fits in serve.memory_fraction={serve.memory_fraction:g} of "
+                f"{format_bytes(memory)} ({where}): at most {fit:,} slots fit; set "
+                f"serve.max_slots={fit} or null (as many as fit), or lower "
+                f"serve.max_prefill_length / serve.max_new_tokens", None)
+        return serve.max_slots
     slots = serving.slots_that_fit(model_config, memory_bytes=memory, weight_bytes=weights,
                                    fraction=serve.memory_fraction, **kw)
     if slots < 1:
-        per_slot = serving.slot_bytes(model_config, **kw)
         raise MemoryFitError(
             f"no decode slot fits: {format_bytes(weights)} of weights and "
             f"{format_bytes(per_slot)} of KV cache per slot against "

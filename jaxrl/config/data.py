@@ -25,6 +25,8 @@
                        a registered name (tools) or "module:attribute" of a factory
                        (row -> Environment, `jaxrl.envs`); null: the task's own (none for
                        single-turn tasks)
+    env_timeout_s      the longest one env.step (one turn's answer) may take; a call past it
+                       ends the run naming the environment, row and turn (120 s)
     tools              the tool environment's tools, call format and limits (`jaxrl.config.tools`)
 
 Everything that can be checked without reading data is checked here, when the config is made;
@@ -78,6 +80,7 @@ class DataSection:
     batch_size: int = 32  # prompts per step (x rollout.num_generations samples)
     curriculum: Curriculum = "none"  # which prompts a step takes: jaxrl.data.curriculum
     env: str | None = None  # multi-turn: "tools" or "module:attribute"; null: the task's own
+    env_timeout_s: float = 120.0  # the longest one env.step may take (a hung one ends the run)
     tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)
 
     def __post_init__(self):
@@ -95,6 +98,8 @@ class DataSection:
         if self.env is not None and not self.env.strip():
             fail("data", self, "env", "a registered environment name or \"module:attribute\", "
                                       "or null")
+        if not (0 < self.env_timeout_s < math.inf):
+            fail("data", self, "env_timeout_s", "a finite number of seconds > 0")
         if not isinstance(self.tools, ToolsSection):
             fail("data", self, "tools", "a ToolsSection")
         if self.format not in ANSWER_FORMATS:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from jaxrl.config.load import fail, require_at_least
@@ -109,8 +110,18 @@ class LoraSection:
         if self.dropout != 0:
             fail("model.lora", self, "dropout",
                  "0.0 (adapter dropout would break sampler == trainer log-probs)")
+        targets = list(self.target_modules)
+        if not targets:
+            fail("model.lora", self, "target_modules", f"a non-empty list of regexes of the "
+                                                       f"modules to adapt, e.g. {LORA_MODULES}")
+        for pattern in targets:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                fail("model.lora", self, "target_modules",
+                     f"a list of valid regexes ({pattern!r} is not one: {e})")
         try:
-            match_targets(tuple(self.target_modules))
+            match_targets(tuple(targets))
         except ValueError as e:
             fail("model.lora", self, "target_modules", f"patterns that match modules ({e})")
 

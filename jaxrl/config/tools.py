@@ -9,6 +9,10 @@
     max_result_chars   each result's text cut to this many characters (null: whole); a small
                        model's token budget cannot hold a long error message
     python_timeout_s, python_memory_mb, python_max_output_bytes   the python tool's limits
+    python_sandbox     bwrap: each call in a bubblewrap OS sandbox (jaxrl/envs/sandbox.py;
+                       without `bwrap` the run refuses to start, saying how to install it) |
+                       guard: the in-process audit hook alone, which is no security
+                       boundary (a warning says so)
 
 Used when the environment is `tools` (`data.env: tools`, or a task's own tool environment).
 """
@@ -24,6 +28,7 @@ from jaxrl.config.load import fail
 
 ToolName = Literal["calculator", "python"]
 ToolFormat = Literal["auto", "hermes", "llama3", "tags"]
+Sandbox = Literal["bwrap", "guard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,7 @@ class ToolsSection:
     python_memory_mb: int = 1024
     python_max_output_bytes: int = 4096
     max_result_chars: int | None = None
+    python_sandbox: Sandbox = "bwrap"
 
     def __post_init__(self):
         known = typing.get_args(ToolName)

@@ -1,6 +1,13 @@
 """Multi-turn environments: the protocol (base.py), tool-call formats, tools, ToolEnv, registry."""
 
-from jaxrl.envs.base import EnvFactory, Environment, Observation, ToolStats
+from jaxrl.envs.base import (
+    EnvFactory,
+    EnvFailure,
+    Environment,
+    Observation,
+    ToolStats,
+    observation_problem,
+)
 from jaxrl.envs.calculator import Calculator
 from jaxrl.envs.python_tool import PythonTool
 from jaxrl.envs.registry import (
@@ -31,9 +38,9 @@ from jaxrl.envs.tool_env import (
 from jaxrl.envs.tools import Tool, ToolResult, tool_schema
 
 __all__ = [
-    "Calculator", "EnvBuilder", "EnvFactory", "Environment", "FormatName", "HermesFormat",
+    "Calculator", "EnvBuilder", "EnvFactory", "EnvFailure", "Environment", "FormatName", "HermesFormat",
     "Llama3Format", "Observation", "PythonTool", "TagsFormat", "Tool", "ToolCall",
     "ToolCallError", "ToolCallFormat", "ToolEnv", "ToolName", "ToolResult", "ToolStats",
     "ToolsConfig", "ToolsFormat", "format_for", "make_env_factory", "make_format", "make_tool_env_factory",
-    "register_env", "registered_envs", "resolve_env", "tool_schema",
+    "observation_problem", "register_env", "registered_envs", "resolve_env", "tool_schema",
 ]

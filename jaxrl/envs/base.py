@@ -7,13 +7,25 @@
 
 Environments run on the host, one call per turn, possibly in a worker thread while other
 samples keep decoding; they must not share mutable state between samples.
+
+The contract the rollout checks at every turn (`observation_problem`): `step` returns an
+`Observation`, its `reward` is None or a finite number, its `text` None or a str, its `ids`
+None or token ids inside the model's vocabulary; and `step` returns within the run's time
+limit (`data.env_timeout_s`). A broken one ends the run with `EnvFailure`, whose one-line
+message names the environment, the row and turn, and what was expected: a user's plugin is
+found out by name instead of training silently on garbage (an id past the vocabulary would
+be clamped by the embedding lookup) or hanging.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,3 +64,48 @@ class Environment(Protocol):
 
 
 EnvFactory = Callable[[Mapping[str, Any]], Environment]  # a dataset row -> its environment
+
+
+class EnvFailure(RuntimeError):
+    """An environment failed or broke its contract during a rollout (module docstring):
+    `problem` what happened, at batch row `row` (its `dataset_row` and the environment's
+    `spec` once known) and policy turn `turn` (1-based; None: making the environment)."""
+
+    def __init__(self, problem: str, *, row: int, turn: int | None = None,
+                 spec: str | None = None, dataset_row: int | None = None):
+        self.problem, self.row, self.turn = problem, row, turn
+        self.spec, self.dataset_row = spec, dataset_row
+        where = [f"data.env={spec!r}"] if spec is not None else []
+        where.append(f"sample {row}" if dataset_row is None else
+                     f"dataset row {dataset_row} (sample {row} of the batch)")
+        if turn is not None:
+            where.append(f"turn {turn}")
+        super().__init__(f"{', '.join(where)}: {problem}")
+
+    def at(self, spec: str, dataset_row: int) -> EnvFailure:
+        """The same failure, naming the environment and the dataset row."""
+        return EnvFailure(self.problem, row=self.row, turn=self.turn, spec=spec,
+                          dataset_row=dataset_row)
+
+
+def observation_problem(obs: object, vocab_size: int | None = None) -> str | None:
+    """What `obs`, returned by `env.step`, breaks of the contract (module docstring); None
+    when nothing. `vocab_size`: ids must be below it (None: not checked)."""
+    if not isinstance(obs, Observation):
+        return (f"env.step(turn) returned a {type(obs).__name__}; expected a "
+                f"jaxrl.envs.Observation")
+    reward = obs.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
+                               or not math.isfinite(reward)):
+        return f"Observation.reward must be a finite number or None, got {reward!r}"
+    if obs.text is not None and not isinstance(obs.text, str):
+        return f"Observation.text must be a str or None, got a {type(obs.text).__name__}"
+    if obs.ids is not None:
+        ids = np.asarray(obs.ids)
+        if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
+            return f"Observation.ids must be a sequence of int token ids, got {obs.ids!r:.80}"
+        bad = ids[(ids < 0) | (ids >= vocab_size)] if vocab_size and ids.size else ids[:0]
+        if bad.size:
+            return (f"Observation.ids must be token ids in [0, {vocab_size}) (the model's "
+                    f"vocabulary), got {bad[:5].tolist()}")
+    return None

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from jaxrl.envs.base import EnvFactory, Observation, ToolStats
 from jaxrl.envs.calculator import Calculator
 from jaxrl.envs.python_tool import PythonTool
+from jaxrl.envs.sandbox import SandboxKind
 from jaxrl.envs.tool_calls import (
     TagsFormat,
     ToolCall,
@@ -53,6 +54,7 @@ class ToolsConfig:
     python_memory_mb: int = 1024
     python_max_output_bytes: int = 4096
     max_result_chars: int | None = None  # a result's text is cut to this (None: whole)
+    python_sandbox: SandboxKind = "bwrap"  # the python tool's (jaxrl/envs/sandbox.py)
 
     def __post_init__(self):
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -68,6 +70,9 @@ class ToolsConfig:
         if self.format not in typing.get_args(ToolsFormat):
             raise ValueError(f"ToolsConfig.format={self.format!r}; expected one of "
                              f"{typing.get_args(ToolsFormat)}")
+        if self.python_sandbox not in typing.get_args(SandboxKind):
+            raise ValueError(f"ToolsConfig.python_sandbox={self.python_sandbox!r}; expected one "
+                             f"of {typing.get_args(SandboxKind)}")
         for field in ("max_calls_per_turn", "python_timeout_s", "python_memory_mb",
                       "python_max_output_bytes"):
             if not getattr(self, field) > 0:
@@ -82,7 +87,8 @@ class ToolsConfig:
             "calculator": Calculator,
             "python": lambda: PythonTool(timeout_s=self.python_timeout_s,
                                          memory_mb=self.python_memory_mb,
-                                         max_output_bytes=self.python_max_output_bytes),
+                                         max_output_bytes=self.python_max_output_bytes,
+                                         sandbox=self.python_sandbox),
         }
         return tuple(builders[name]() for name in self.tools)
 

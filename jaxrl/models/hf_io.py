@@ -204,6 +204,13 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
                                         "weight_map": weight_map})
 
 
+def read_config(path: str | Path, *, dtype: str | jnp.dtype | None = None) -> ModelConfig:
+    """The ModelConfig of an HF model directory's config.json, parameters in `dtype` (None:
+    the checkpoint's), without reading any weight (what a memory check needs first)."""
+    return _read_config(Path(path) / CONFIG_FILE, None if dtype is None else _dtype_name(dtype),
+                        None, False, "auto", "none")
+
+
 # ------------------------------------------------------------------ loading helpers
 
 

@@ -107,6 +107,16 @@ def adapter_axes(module: str, config) -> tuple[tuple[tuple[int, ...], tuple], tu
     }[module]
 
 
+def adapter_params(config, lora: LoraConfig) -> int:
+    """Parameters of `lora`'s adapters on a model of `config`: rank x (in + out) per targeted
+    module and layer (counted without making them)."""
+    per_layer = 0
+    for module in lora.targets:
+        (in_shape, _), (out_shape, _) = adapter_axes(module, config)
+        per_layer += math.prod(in_shape) + math.prod(out_shape)
+    return config.num_layers * lora.rank * per_layer
+
+
 class Adapter(nnx.Module):
     """One HF module's adapter: a [in..., r], b [r, out...] (module docstring)."""
 

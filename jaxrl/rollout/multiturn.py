@@ -24,14 +24,21 @@ the slot count or on the environments' timing.
 
 Episode ends: the environment says `done` (that observation is not appended; its reward is
 the row's), a turn ends on one of `eos_token_ids`, `max_turns` turns were taken, or the
-budget is spent (an observation longer than the room left is cut to fit, and ends it). The
-environment sees every turn, the last one too (it may score it). Rewards: the last one the
-environment gave, NaN where it gave none.
+budget is spent (an observation longer than the room left is cut to fit, and ends it: a
+text is cut by characters before it is tokenized, so a megabyte of tool output costs
+microseconds, not seconds). The environment sees every turn, the last one too (it may score
+it). Rewards: the last one the environment gave, NaN where it gave none.
+
+Environments are a user's code: every answer is checked against the contract
+(`jaxrl.envs.base.observation_problem`: an Observation, a finite reward, ids inside the
+model's vocabulary), every call is timed against `env_timeout_s`, and the calls run on
+daemon threads (`env_calls.py`), so an exception, a broken contract or a hang ends the
+rollout with `EnvFailure` naming the row and turn, and a hung call never keeps the process
+alive.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import functools
 import time
@@ -42,9 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.envs.base import Environment, Observation
+from jaxrl.envs.base import EnvFailure, Environment, Observation, observation_problem
 from jaxrl.models import Transformer
 from jaxrl.rollout import slots
+from jaxrl.rollout.env_calls import EnvCalls
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import Rollout, row_keys
@@ -59,7 +67,8 @@ class MultiTurnConfig:
     (EOS and the tool call's end tag); eos_token_ids (added to them) also end the episode
     after the environment saw the turn. num_slots: rows decoded at once. chunk_width: tokens
     per `extend` call (an observation longer than chunk_width - 1 takes several).
-    env_workers: threads running `env.step` (None: num_slots).
+    env_workers: threads running `env.step` (None: num_slots). env_timeout_s: the longest
+    one `env.step` call may take (None: no limit).
     """
 
     max_turns: int
@@ -72,6 +81,7 @@ class MultiTurnConfig:
     chunk_width: int = 64
     pad_token_id: int = 0
     env_workers: int | None = None
+    env_timeout_s: float | None = None
     attention: str = "xla"
 
     def __post_init__(self):
@@ -81,6 +91,8 @@ class MultiTurnConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_width < 2:
             raise ValueError(f"chunk_width must be >= 2, got {self.chunk_width}")
+        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
+            raise ValueError(f"env_timeout_s must be > 0 or None, got {self.env_timeout_s}")
 
     @property
     def stops(self) -> slots.Stops:
@@ -199,17 +211,29 @@ class _Row:
         self.logp_raw.append(float(logp_raw))
 
 
-def _timed_step(env: Environment, text: str) -> tuple[Observation, float]:
-    start = time.perf_counter()
-    obs = env.step(text)
-    return obs, time.perf_counter() - start
-
-
-def observation_ids(obs: Observation, encode: Callable[[str], list[int]]) -> list[int]:
-    """The tokens an observation appends: its ids, or its text encoded, or none."""
+def observation_ids(obs: Observation, encode: Callable[[str], list[int]],
+                    limit: int | None = None) -> list[int]:
+    """The tokens an observation appends: its ids, or its text encoded, or none; at most
+    `limit` of them (None: all). A long text is cut by characters before it is encoded
+    (`encode_prefix`)."""
     if obs.ids is not None:
-        return [int(i) for i in obs.ids]
-    return list(encode(obs.text)) if obs.text else []
+        return [int(i) for i in obs.ids[:limit]]
+    if not obs.text:
+        return []
+    return list(encode(obs.text)) if limit is None else encode_prefix(obs.text, encode, limit)
+
+
+def encode_prefix(text: str, encode: Callable[[str], list[int]], limit: int) -> list[int]:
+    """The first `limit` tokens of `text`, encoding only a prefix of it: 8 characters per
+    token allowed at first (BPE vocabularies average 3-5 on text), doubled until the prefix
+    gives more than `limit` tokens or is the whole text. Tokens near the cut could differ
+    from the whole text's; taking one more token than kept keeps the cut away from them."""
+    chars = 8 * (limit + 1)
+    while True:
+        ids = list(encode(text[:chars]))
+        if len(ids) > limit or chars >= len(text):
+            return ids[:limit]
+        chars *= 2
 
 
 def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
@@ -240,7 +264,7 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
     state = slots.init(model.config, layout, config.num_slots)
     rows = [_Row() for _ in range(b)]
     owner: dict[int, int] = {}            # slot -> row
-    waiting: dict[int, cf.Future] = {}    # slot -> env.step future
+    vocab_size = model.config.vocab_size
     next_row, prefix, prefix_of = 0, None, -1
     env_time = env_wait = 0.0
     decode_steps = 0
@@ -252,6 +276,9 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
         nonlocal state
         r = owner[slot]
         row = rows[r]
+        problem = observation_problem(obs, vocab_size)
+        if problem is not None:
+            raise EnvFailure(problem, row=r, turn=len(row.ends))
         if obs.reward is not None:
             row.reward = float(obs.reward)
         t = obs.tools
@@ -260,8 +287,8 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
             return finish(slot, False)
         if len(row.ends) >= config.max_turns:
             return finish(slot, True)
-        new = observation_ids(obs, encode)
         room = c - len(row.ids)
+        new = observation_ids(obs, encode, room)
         if len(new) >= room:  # no room for a model token after it: cut, and the episode ends
             for token in new[:room]:
                 row.add(token, True)
@@ -278,7 +305,7 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                             np.int32(len(piece)), np.bool_(i + w >= len(chunk)), layout, stops,
                             sampling)
 
-    def take_tokens(out: slots.Sent, pool):
+    def take_tokens(out: slots.Sent, calls: EnvCalls):
         """A step's tokens into their rows; a turn that ended goes to its environment."""
         out = jax.device_get(out)
         for slot in np.flatnonzero(out.valid_S).tolist():
@@ -290,23 +317,30 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                 row.ends.append(len(row.ids))
                 row.eos = token in eos
                 text = decode(row.ids[row.starts[-1]:])
-                waiting[slot] = pool.submit(_timed_step, envs[owner[slot]], text)
+                calls.submit(slot, envs[owner[slot]], text)
 
     # Step k + 1 is dispatched before step k's tokens are read, so the device decodes while
     # the host reads them (a slot whose turn ended at step k idles in step k + 1: its
     # turn's end is decided on the device; the host learns it one step later).
     unread = None
-    with cf.ThreadPoolExecutor(config.env_workers or config.num_slots) as pool:
+    calls = EnvCalls(config.env_workers or config.num_slots)
+    try:
         while True:
-            for slot, future in list(waiting.items()):
-                if future.done():
-                    try:
-                        obs, seconds = waiting.pop(slot).result()
-                    except Exception as e:
-                        raise RuntimeError(f"the environment of row {owner[slot]} failed on "
-                                           f"turn {len(rows[owner[slot]].ends)}") from e
-                    env_time += seconds
-                    take_observation(slot, obs)
+            for slot, future in calls.done():
+                r, turn = owner[slot], len(rows[owner[slot]].ends)
+                try:
+                    obs, seconds = future.result()
+                except Exception as e:
+                    raise EnvFailure(f"env.step(turn) raised {type(e).__name__}: {e}", row=r,
+                                     turn=turn) from e
+                env_time += seconds
+                take_observation(slot, obs)
+            if (late := calls.overdue(config.env_timeout_s)) is not None:
+                slot, seconds = late
+                raise EnvFailure(f"env.step(turn) did not return within the time limit "
+                                 f"(data.env_timeout_s={config.env_timeout_s:g}; "
+                                 f"{seconds:.1f} s so far)", row=owner[slot],
+                                 turn=len(rows[owner[slot]].ends))
             for slot in range(config.num_slots):
                 if slot in owner or next_row == b:
                     continue
@@ -317,22 +351,24 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                 state = _start(state, prefix, key_data_BxK[next_row], np.int32(slot), c,
                                layout, stops, sampling)
                 owner[slot], next_row = next_row, next_row + 1
-            if len(owner) > len(waiting):  # some slot decodes (as far as the host knows)
+            if len(owner) > len(calls.waiting):  # some slot decodes (as far as the host knows)
                 state, out = _step(graphdef, weights, state, layout, stops, sampling,
                                    slots.Attention(config.attention))
                 decode_steps += 1
                 if unread is not None:
-                    take_tokens(unread, pool)
+                    take_tokens(unread, calls)
                 unread = out
             elif unread is not None:
-                take_tokens(unread, pool)
+                take_tokens(unread, calls)
                 unread = None
-            elif waiting:
+            elif calls.waiting:
                 idle = time.perf_counter()
-                cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)
+                calls.wait(config.env_timeout_s)
                 env_wait += time.perf_counter() - idle
             else:
                 break
+    finally:
+        calls.close()  # a call past its limit is left on its daemon thread
     return _assemble(rows, ids_BxP, mask_BxP, config, layout, env_time, env_wait,
                      decode_steps, time.perf_counter() - began)
 

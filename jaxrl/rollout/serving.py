@@ -63,13 +63,14 @@ def slot_bytes(model_config, max_prefill_length: int, max_new_tokens: int,
 
 def slots_that_fit(model_config, *, memory_bytes: int, weight_bytes: int,
                    max_prefill_length: int, max_new_tokens: int, page_size: int,
-                   fraction: float) -> int:
+                   fraction: float, cap: int | None = MAX_FIT_SLOTS) -> int:
     """How many slots' KV pages fit in `fraction` of a device's `memory_bytes` beside the
-    weights, reserving a tenth of what remains for the programs' temporaries; at most
-    `MAX_FIT_SLOTS`, and 0 when not even one fits."""
+    weights, reserving a tenth of what remains for the programs' temporaries; at most `cap`
+    (None: no cap), and 0 when not even one fits."""
     free = fraction * memory_bytes - weight_bytes
     per_slot = slot_bytes(model_config, max_prefill_length, max_new_tokens, page_size)
-    return int(max(0, min(MAX_FIT_SLOTS, 0.9 * free // per_slot)))
+    fit = int(max(0, 0.9 * free // per_slot))
+    return fit if cap is None else min(cap, fit)
 
 
 def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Array,

@@ -43,8 +43,10 @@ from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from jaxrl.distributed import broadcast, is_main, sync
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.models.hf_io import read_config
 from jaxrl.models.layers import INIT_STD
-from jaxrl.perf import device_memory, format_bytes
+from jaxrl.models.lora import adapter_params
+from jaxrl.perf import device_memory, format_bytes, memory_limit
 from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.episodes import (
     env_rewards,
@@ -145,6 +147,8 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         tokenizer = load_tokenizer(model_path)
     except FileNotFoundError as e:
         raise ConfigError(f"model.path: {e}") from None
+    if cfg.model.lora is not None:
+        _check_lora_fits(cfg, model_path, mesh)
     model = from_pretrained(model_path, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
@@ -333,6 +337,32 @@ def _check_init_fits(cfg: ExperimentConfig, config: ModelConfig, mesh: Mesh) -> 
             f"num_layers={config.num_layers}): with Adam's two moments that is "
             f"{format_bytes(need)}, more than the {format_bytes(limit * mesh.size)} of all "
             f"{mesh.size} devices ({source}); choose a smaller model.init")
+
+
+def _check_lora_fits(cfg: ExperimentConfig, model_path: Path, mesh: Mesh) -> None:
+    """Refuses LoRA adapters that, with the frozen base and Adam's two moments of the
+    adapters, cannot fit the devices' memory (perf.memory_limit_gib, else the devices') even
+    spread evenly, before any is drawn: `from_pretrained` draws them in one program, and a
+    rank of 10^6 on the quickstart (2.8 billion adapter parameters) took 7 GB and then the
+    OOM killer, not an error. (What the step needs is the compiled step's check.)"""
+    lora = cfg.model.lora.build()
+    try:
+        config = read_config(model_path, dtype=cfg.model.dtype)
+        limit, source = memory_limit(cfg.perf.memory_limit_gib, mesh.local_devices[0])
+    except (ValueError, OSError):
+        return  # an unreadable model is from_pretrained's to report; unknown memory: later
+    item = jnp.dtype(config.param_dtype).itemsize
+    base, per_rank = config.num_params() * item, 3 * adapter_params(config, lora) // lora.rank
+    need = base + lora.rank * per_rank * item
+    if need > limit * mesh.size:
+        fit = max(0, (limit * mesh.size - base) // (per_rank * item))
+        raise ConfigError(
+            f"model.lora.rank={lora.rank:,} gives {adapter_params(config, lora):,} adapter "
+            f"parameters on {', '.join(lora.targets)}: with Adam's two moments and the frozen "
+            f"base that is {format_bytes(need)}, more than the {format_bytes(limit * mesh.size)} "
+            f"of the run's {mesh.size} device(s) ({source}); "
+            + (f"at most rank {fit:,} fits" if fit else "no rank fits beside the base")
+            + "; choose a smaller model.lora.rank (8-64 is usual)")
 
 
 def _phase_times(cfg: ExperimentConfig, mesh: Mesh) -> bool:

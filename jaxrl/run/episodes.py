@@ -21,13 +21,15 @@ from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config.algo import AlgoSection
 from jaxrl.data.tasks.task import Task
 from jaxrl.data.tokenizer import pad_token_id
-from jaxrl.envs.registry import make_env_factory
+from jaxrl.envs.base import EnvFailure
+from jaxrl.envs.registry import resolve_env
+from jaxrl.envs.sandbox import SandboxUnavailable
 from jaxrl.envs.tool_calls import format_for, make_format
 from jaxrl.envs.tool_env import ToolsConfig
 from jaxrl.envs.tools import tool_schema
 from jaxrl.rl.rewards import JaxReward
 from jaxrl.rollout.multiturn import MultiTurnConfig
-from jaxrl.step.multiturn import Episodes, env_reward
+from jaxrl.step.multiturn import Episodes, env_reward, make_environment
 
 TOOLS_ENV = "tools"
 
@@ -71,15 +73,23 @@ def tools_config(cfg: ExperimentConfig) -> ToolsConfig:
                        max_calls_per_turn=t.max_calls_per_turn,
                        python_timeout_s=t.python_timeout_s, python_memory_mb=t.python_memory_mb,
                        python_max_output_bytes=t.python_max_output_bytes,
-                       max_result_chars=t.max_result_chars)
+                       max_result_chars=t.max_result_chars,
+                       python_sandbox=t.python_sandbox)
 
 
 def prompt_tools(cfg: ExperimentConfig, spec: str | None) -> tuple[dict, ...] | None:
     """The tool environment's function schemas for the prompts' chat template; None for
-    another environment or none."""
+    another environment or none. Builds the tools, so a python tool without its sandbox
+    program stops the run here (ConfigError), before any model loads."""
     if spec != TOOLS_ENV:
         return None
-    return tuple(tool_schema(tool) for tool in tools_config(cfg).build_tools())
+    try:
+        tools = tools_config(cfg).build_tools()
+    except SandboxUnavailable as e:
+        raise ConfigError(f"data.tools.names={list(cfg.data.tools.names)} includes python: {e}; "
+                          f"or set data.tools.python_sandbox=guard (an in-process guard, no "
+                          f"security boundary)") from None
+    return tuple(tool_schema(tool) for tool in tools)
 
 
 def end_tag_ids(spec: str, tools: ToolsConfig, tokenizer: PreTrainedTokenizerBase
@@ -113,9 +123,22 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
     """The environments and turn limits of the run's multi-turn rollout."""
     tools = tools_config(cfg)
     try:
-        make_env = make_env_factory(spec, tools, tokenizer)
-    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        builder = resolve_env(spec)
+    except ValueError as e:
         raise ConfigError(f"data.env={spec!r}: {e}") from None
+    try:
+        make_env = builder(tools, tokenizer)
+    except Exception as e:  # the user's builder: named, exit 2 (nothing has run yet)
+        raise ConfigError(f"data.env={spec!r}: the builder raised {type(e).__name__}: {e}; "
+                          f"expected build(tools_config, tokenizer) -> factory") from None
+    if not callable(make_env):
+        raise ConfigError(f"data.env={spec!r}: the builder returned a "
+                          f"{type(make_env).__name__}, not a factory row -> Environment")
+    rows = RowView(task.train_rows)
+    try:  # the factory on the first row, so one that always fails stops the run before step 0
+        make_environment(make_env, rows, 0, spec=spec)
+    except EnvFailure as e:
+        raise ConfigError(str(e)) from None
     r = cfg.rollout
     b = cfg.data.batch_size * r.num_generations
     stops = (*end_tag_ids(spec, tools, tokenizer), *r.stop_token_ids)
@@ -124,8 +147,7 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
         max_turn_tokens=r.max_new_tokens, num_slots=min(r.max_slots or b, b),
         page_size=r.page_size, stop_token_ids=tuple(dict.fromkeys(stops)),
         eos_token_ids=() if r.ignore_eos else tuple(eos_ids),
-        pad_token_id=pad_token_id(tokenizer))
-    rows = task.train_rows
+        pad_token_id=pad_token_id(tokenizer), env_timeout_s=cfg.data.env_timeout_s)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -133,7 +155,7 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    return Episodes(make_env, RowView(rows), encode, decode, config)
+    return Episodes(make_env, rows, encode, decode, config, spec)
 
 
 class RowView:

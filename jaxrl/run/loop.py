@@ -145,6 +145,11 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     drawn: dict[int, tuple[Any, dict[str, float]]] = dict(started.drawn)
     evaluator: Evaluator | None = None
     rewards = run.step.rewards
+    if isinstance(run.step, AsyncStep) and jax.process_count() == 1:
+        # A stop ends the fill of the queue of batches made ahead (AsyncStep) too: with a
+        # large algo.max_staleness that fill is most of the run's first step. (With several
+        # processes each fills alike; their stop comes from JAX's agreement, after a step.)
+        run.step.stop_requested = lambda: stop.signal is not None
     failing = 0  # steps in a row that failed their rewards
     attempted = -1  # the last step whose record was begun
 

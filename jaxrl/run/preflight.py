@@ -5,7 +5,8 @@
                                             run these executables
         2. memory fit                       XLA's memory analysis of those programs against
                                             the device's memory (or perf.memory_limit_gib);
-                                            too big -> MemoryFitError with what to change
+                                            too big -> MemoryFitError with what to change;
+                                            async: the batches made ahead count too
         3. FLOP accounting                  the phase programs (`jaxrl.step.accounting`)
         4. peak FLOP/s                      table / CPU calibration / perf.peak_tflops
     pre.step_metrics(metrics, step_s)       perf/* and time/* of one fetched step
@@ -45,6 +46,7 @@ from jaxrl.rollout.decode_loop import max_concurrent_decodes, row_shards
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
+from jaxrl.step.asynchronous import AsyncStep
 from jaxrl.step.clock import phase_times
 from jaxrl.step.multiturn import MultiTurnStep
 
@@ -97,6 +99,7 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         programs = _compile(run, (state, *args, run.ref_params))
     compile_s = time.perf_counter() - start
     if programs and limit > 0:
+        _check_queue(run, state, args, programs, limit, source)
         try:
             memory = check_fit(programs, limit, source, memory_suggestions(run))
         except MemoryFitError as e:
@@ -136,16 +139,61 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
 
 
 def _compile(run: Run, args: tuple[Any, ...]) -> list[ProgramMemory]:
-    """Compiles the step program(s) for `args`; their memory analysis (where XLA gives it)."""
+    """Compiles the step program(s) for `args`; their memory analysis (where XLA gives it),
+    an async step's rollout programs holding its queue too (`_queue_bytes`)."""
     compiled = run.step.compile(*args)
     programs = [m for name, c in compiled.items()
                 if (m := program_memory(name, c)) is not None]
+    queue = _queue_bytes(run, args[0], args[1:5])
+    programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + queue)
+                if m.name in ROLLOUT_PROGRAMS else m for m in programs]
     if run.ref_params is not None and "generate" in compiled:
         # Split mode: the reference copy is live through the generate program too, though
         # not one of its arguments.
         programs = [dataclasses.replace(m, argument_bytes=m.argument_bytes + _device_bytes(
             run.ref_params)) if m.name == "generate" else m for m in programs]
     return programs
+
+
+ROLLOUT_PROGRAMS = ("generate", "start", "resume", "finish")  # an async step's rollout side
+
+
+def _batch_bytes(run: Run, state: nnx.State, args: tuple[Any, ...]) -> int:
+    """Per rollout device: the bytes one queued batch of an async step holds (a made rollout
+    with its reward inputs, or one in flight with its KV cache, whichever is larger)."""
+    entries = run.step.abstract_entries(state, *args)
+    return max(sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree)) for tree in entries.values())
+
+
+def _queue_bytes(run: Run, state: nnx.State, args: tuple[Any, ...]) -> int:
+    """Per rollout device: the max_staleness batches an async step keeps made ahead beside
+    the one its rollout program makes (0 for other steps)."""
+    if not isinstance(run.step, AsyncStep) or not run.step.max_staleness:
+        return 0
+    return run.step.max_staleness * _batch_bytes(run, state, args)
+
+
+def _check_queue(run: Run, state: nnx.State, args: tuple[Any, ...],
+                 programs: list[ProgramMemory], limit: int, source: str) -> None:
+    """Refuses an algo.max_staleness whose queue of batches made ahead cannot fit beside the
+    rollout program on a rollout device, naming it and the most that fits: a value of 10^6
+    made the rollout side generate batches ahead for ever instead of an error."""
+    queue = _queue_bytes(run, state, args)
+    rollout = [p for p in programs if p.name in ROLLOUT_PROGRAMS]
+    if not queue or not rollout or max(p.peak_bytes for p in rollout) <= limit:
+        return
+    k = run.step.max_staleness
+    per_batch = queue // k
+    peak = max(p.peak_bytes for p in rollout) - queue
+    fit = max(0, (limit - peak) // per_batch)
+    raise MemoryFitError(
+        f"algo.max_staleness={k:,} keeps up to {k:,} batches made ahead on each rollout "
+        f"device ({format_bytes(per_batch)} each, {format_bytes(queue)} in all) beside the "
+        f"rollout program's {format_bytes(peak)}, more than the {format_bytes(limit)} "
+        f"available ({source}); at most algo.max_staleness={fit:,} fits (1-4 is usual: "
+        f"every step of staleness trains on older rollouts)", MemoryReport(tuple(programs),
+                                                                           limit, source))
 
 
 def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,

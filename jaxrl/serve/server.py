@@ -1,8 +1,10 @@
 """JetStream's orchestrator and gRPC service over one `JetStreamEngine`, with checked
 requests and a drain.
 
-    server = Server(engine, params, host, port, max_new_tokens=C)   bound, not yet serving
-    server.start()                                                 serving
+    server = Server(host, port, threads=N)     the port bound (a taken one fails here, before
+                                               `jaxrl serve` loads or compiles anything)
+    server.serve(engine, params, max_new_tokens=C)   the orchestrator over the engine
+    server.start()                                   serving
     server.drain(timeout_s)        new requests refused; those in flight finish (or are
                                    cut at the timeout); the orchestrator's threads end
 
@@ -14,7 +16,9 @@ places:
   kill the process on any error, so a request it cannot serve (no content, a token id
   outside the vocabulary, a prompt longer than `serve.max_prefill_length`, `max_tokens`
   outside [1, serve.max_new_tokens], a session cache) gets INVALID_ARGUMENT, naming what is
-  wrong, and the server goes on.
+  wrong, and the server goes on. So does one protobuf cannot parse (text that is not
+  UTF-8): the service is registered with a parser that hands it on (`_add_service`), where
+  gRPC's own would fail it as UNKNOWN with a traceback in the log.
 - Prompts are tokenized and padded by jaxrl (`HFTokenizer.pad`): text as `jaxrl generate`
   encodes it, token ids as given (JetStream would prepend BOS and pad to its own buckets).
 
@@ -30,10 +34,11 @@ from collections.abc import Callable
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from jaxrl.config import ConfigError
 from jaxrl.serve.engine import JetStreamEngine
-from jaxrl.serve.jetstream import jetstream_pb2_grpc, orchestrator
+from jaxrl.serve.jetstream import jetstream_pb2, orchestrator
 from jaxrl.serve.tokenizer import HFTokenizer, PromptTooLong
 
 
@@ -72,6 +77,8 @@ class Orchestrator(orchestrator.LLMOrchestrator):
 
     def problem(self, request) -> str | None:
         """Why `request` cannot be served, or None."""
+        if isinstance(request, Unparsable):
+            return request.problem
         if request.session_cache:
             return "session_cache is not supported: send the whole prompt"
         if not 1 <= request.max_tokens <= self.max_new_tokens:
@@ -109,15 +116,47 @@ class Orchestrator(orchestrator.LLMOrchestrator):
             yield response
 
 
+class Unparsable:
+    """A Decode request protobuf could not parse, and why (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
+def _parse_decode(data: bytes):
+    """A DecodeRequest from its bytes, or an `Unparsable` saying what is wrong."""
+    try:
+        return jetstream_pb2.DecodeRequest.FromString(data)
+    except DecodeError as e:
+        return Unparsable(f"the request is not a DecodeRequest protobuf can read ({e}): "
+                          f"text_content.text must be valid UTF-8 (send other bytes as "
+                          f"token_content)")
+
+
+def _add_service(service: Orchestrator, server) -> None:
+    """JetStream's generated `add_OrchestratorServicer_to_server`, with Decode's requests
+    parsed by `_parse_decode` (module docstring)."""
+    pb = jetstream_pb2
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            service.Decode, request_deserializer=_parse_decode,
+            response_serializer=pb.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            service.HealthCheck, request_deserializer=pb.HealthCheckRequest.FromString,
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+
+
 class Server:
     """The engine served over gRPC (module docstring)."""
 
-    def __init__(self, engine: JetStreamEngine, params, *, host: str, port: int,
-                 max_new_tokens: int):
+    def __init__(self, host: str, port: int, *, threads: int = 64):
         self.driver = None
-        # As JetStream's server_lib: gRPC's thread pool as big as the slots, at least 64.
-        self._executor = futures.ThreadPoolExecutor(
-            max_workers=max(engine.max_concurrent_decodes, 64))
+        # As JetStream's server_lib: gRPC's thread pool as big as the slots, at least 64
+        # (`threads`: the most slots there may be; threads start only as requests come).
+        self._executor = futures.ThreadPoolExecutor(max_workers=max(threads, 64))
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._executor)
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop",
@@ -139,6 +178,9 @@ class Server:
             self._stop_loop()
             raise ConfigError(f"cannot listen on {host}:{port} (serve.host, serve.port): the "
                               f"port is taken or the address is not this machine's")
+
+    def serve(self, engine: JetStreamEngine, params, *, max_new_tokens: int) -> None:
+        """JetStream's orchestrator over `engine` (its threads start here) as the service."""
         self.driver = Driver(prefill_engines=[engine], generate_engines=[engine],
                              prefill_params=[params], generate_params=[params],
                              interleaved_mode=True)
@@ -147,7 +189,7 @@ class Server:
             self.service = Orchestrator(self.driver, tokenizer,
                                         vocab_size=engine.model_config.vocab_size,
                                         max_new_tokens=max_new_tokens)
-            jetstream_pb2_grpc.add_OrchestratorServicer_to_server(self.service, self._grpc)
+            _add_service(self.service, self._grpc)
         except BaseException:
             self.close()  # the driver's threads would keep the process alive
             raise

@@ -44,7 +44,13 @@ the weights that generated the batch and the weights it trains), `async/weight_s
 (`jaxrl.step.clock.async_times`: the queue waits of each side).
 
 The queue of made-but-untrained batches (with in-flight updates, some still in flight) is
-`pending()` / `resume_with(...)` (checkpoints: `jaxrl.run.async_queue`).
+`pending()` / `resume_with(...)` (checkpoints: `jaxrl.run.async_queue`). Filling it takes
+k + 1 generations at call 0; a stop asked for meanwhile (`stop_requested`, set by the
+training loop: SIGTERM, Ctrl-C) ends the fill once the batch to train is made, so the run
+stops after that step instead of after the whole fill. The batches not made then are made
+after the resume from the weights of that time: the one case where a resumed async run
+differs from one never stopped (a stop in the steady state, one batch made per call, keeps
+the queue whole).
 """
 
 from __future__ import annotations
@@ -116,6 +122,8 @@ class AsyncStep:
                          if self.clock.enabled else None)
         self.queue: collections.deque[Produced] = collections.deque()
         self.next_step = 0  # the next batch to produce
+        # Whether a stop (SIGTERM, Ctrl-C) was asked for; the loop sets it (`stop_requested`).
+        self.stop_requested: Callable[[], bool] = lambda: False
         self.sync_bytes = 0
         self.use_sampler(sampler)
 
@@ -236,6 +244,10 @@ class AsyncStep:
             if self.inflight:
                 self.advance_pieces(params, step)
             while self.next_step <= step + self.max_staleness:
+                # Filling (call 0, or after a resume): a stop ends the fill once this call's
+                # batch is made; the one batch of a call in the steady state is always made.
+                if step < self.next_step < step + self.max_staleness and self.stop_requested():
+                    break
                 self.produce(params, self.next_step, step, batch_of(self.next_step))
                 self.next_step += 1
         except Exception as e:

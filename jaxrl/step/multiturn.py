@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.envs.base import EnvFactory
+from jaxrl.envs.base import EnvFactory, EnvFailure, Environment
 from jaxrl.rl import RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.rollout.multiturn import MultiTurnConfig, MultiTurnRollout, rollout_multiturn
@@ -54,13 +54,15 @@ ENV_REWARD_FIELD = "env_reward"
 @dataclasses.dataclass(frozen=True)
 class Episodes:
     """What the host loop needs besides the policy: each row's environment, text <-> ids, and
-    the turn limits. `rows` are the task's dataset rows (`rows_P` index them)."""
+    the turn limits. `rows` are the task's dataset rows (`rows_P` index them); `spec` names
+    the environment in errors (`data.env`)."""
 
     make_env: EnvFactory
     rows: Sequence[dict[str, Any]]
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     config: MultiTurnConfig
+    spec: str | None = None
 
 
 def env_reward(inputs) -> jax.Array:
@@ -160,14 +162,34 @@ def run_episodes(model, episodes: Episodes, prompts: Prompts, rows_P, key: jax.A
     loop's whole result and the rollout as the train program takes it (training and
     evaluation both run episodes through here)."""
     e, g = episodes, group_size
-    envs = [e.make_env(e.rows[int(r)]) for r in np.repeat(np.asarray(rows_P), g)]
+    dataset_rows = np.repeat(np.asarray(rows_P), g)
+    envs = [make_environment(e.make_env, e.rows, int(r), i, e.spec)
+            for i, r in enumerate(dataset_rows)]
     ids_BxP, mask_BxP = (np.repeat(np.asarray(x), g, axis=0) for x in prompts)
-    out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, e.encode, e.decode, key, e.config,
-                            sampling, num_generations=g)
+    try:
+        out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, e.encode, e.decode, key,
+                                e.config, sampling, num_generations=g)
+    except EnvFailure as failure:
+        raise failure.at(e.spec, int(dataset_rows[failure.row])) from failure.__cause__
     r = out.rollout
     return out, canonical_rollout(prompts, g, r.completion_ids_BxC, r.completion_mask_BxC,
                                   r.logp_BxC, r.logp_raw_BxC, r.num_steps,
                                   r.decode_slot_steps, out.observation_mask_BxC)
+
+
+def make_environment(make_env: EnvFactory, rows: Sequence[dict[str, Any]], dataset_row: int,
+                     row: int = 0, spec: str | None = None) -> Environment:
+    """`make_env(rows[dataset_row])`, checked to be an environment (EnvFailure otherwise)."""
+    try:
+        env = make_env(rows[dataset_row])
+    except Exception as e:
+        raise EnvFailure(f"the factory (row -> Environment) raised {type(e).__name__}: {e}",
+                         row=row, spec=spec, dataset_row=dataset_row) from e
+    if not callable(getattr(env, "step", None)):
+        raise EnvFailure(f"the factory returned a {type(env).__name__}, which has no "
+                         f"step(turn) -> Observation method", row=row, spec=spec,
+                         dataset_row=dataset_row)
+    return env
 
 
 def canonical_rollout(prompts: Prompts, group_size: int, completion_ids_BxC, completion_mask_BxC,

@@ -60,6 +60,43 @@ def test_a_random_policy_too_big_for_the_devices_is_refused_before_it_is_made(tm
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("override, words", [
+    ("model.lora.target_modules=[]", ["model.lora.target_modules must be a non-empty list",
+                                      "got []"]),
+    ("model.lora.target_modules=['(q']", ["model.lora.target_modules must be a list of valid "
+                                          "regexes ('(q' is not one: missing ), unterminated "
+                                          "subpattern"]),
+])
+def test_empty_or_malformed_lora_targets_are_config_errors(override, words, tmp_path, capsys):
+    assert main(["train", QUICKSTART, f"train.run_dir={tmp_path / 'r'}",
+                 override]) == EXIT_CONFIG_ERROR
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("config error: "), err
+    for word in words:
+        assert word in err, (word, err)
+    assert not (tmp_path / "r").exists()
+
+
+def test_lora_adapters_too_big_for_the_devices_are_refused_before_they_are_drawn(
+        tmp_path, capsys, monkeypatch):
+    # Drawn, these 2.8 billion parameters took 7 GB and then the OOM killer: the policy (and
+    # its adapters) must not be made at all.
+    from jaxrl.run import build
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the policy and its adapters were made")
+
+    monkeypatch.setattr(build, "from_pretrained", refuse)
+    assert main(["train", QUICKSTART, f"train.run_dir={tmp_path / 'r'}",
+                 "model.lora.rank=1000000", "perf.memory_limit_gib=1"]) == EXIT_CONFIG_ERROR
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("model.lora.rank=1,000,000 gives 2,816,000,000 adapter parameters" in err
+            and "perf.memory_limit_gib" in err and "choose a smaller model.lora.rank" in err), err
+    fits = int(err.split("at most rank ")[1].split(" fits")[0].replace(",", ""))
+    assert 8 <= fits < 1_000_000
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_full_disk_stops_the_run_with_exit_1_and_the_rerun_resumes(tmp_path, capsys,
                                                                      monkeypatch):
     import errno

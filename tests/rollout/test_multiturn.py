@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.envs.base import Observation, ToolStats
+from jaxrl.envs.base import EnvFailure, Observation, ToolStats
 from jaxrl.models import PagedKV, Transformer
 from jaxrl.models.config import tiny_config
 from jaxrl.rollout import slots
@@ -282,8 +282,47 @@ def test_a_failing_environment_names_its_row(model):
     config = MultiTurnConfig(max_turns=2, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
                              page_size=4, chunk_width=8)
     envs = [ScriptedEnv([Observation(done=True)]), Broken()]
-    with pytest.raises(RuntimeError, match="environment of row 1 failed on turn 1"):
+    with pytest.raises(EnvFailure, match=r"^sample 1, turn 1: env.step\(turn\) raised "
+                                         r"KeyError: 'tool'$"):
         rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
     mask[0] = False
     with pytest.raises(ValueError, match=r"rows \[0\] have an empty prompt"):
         rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
+
+
+def test_a_huge_text_observation_is_cut_before_it_is_tokenized(model):
+    """A 1 MB observation with room for 8 tokens: the tokenizer is given a few dozen
+    characters of it, never the megabyte (which took ~2 s a turn with a real tokenizer), and
+    the episode ends with the 8 tokens that fit."""
+    seen = []
+
+    def counting_encode(text):
+        seen.append(len(text))
+        return encode(text)
+
+    ids, mask = _prompts(PROMPTS[:2])
+    huge = Observation(text=" ".join(["21"] * 350_000))  # 1,049,999 characters
+    config = MultiTurnConfig(max_turns=5, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8)
+    envs = [ScriptedEnv([huge]) for _ in range(2)]
+    out = rollout_multiturn(model, ids, mask, envs, counting_encode, decode, jax.random.key(4),
+                            config)
+    assert np.asarray(out.rollout.completion_ids_BxC)[:, 4:].tolist() == [[21] * 8] * 2
+    assert out.num_turns_B.tolist() == [1, 1] and out.truncated_B.all()
+    assert seen and max(seen) <= 8 * 9, seen
+
+
+def test_a_slow_environment_past_its_time_limit_names_its_row_and_turn(model):
+    class Hang:
+        def step(self, turn):
+            time.sleep(30)
+
+    ids, mask = _prompts(PROMPTS[:2])
+    config = MultiTurnConfig(max_turns=2, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
+                             page_size=4, chunk_width=8, env_timeout_s=0.5)
+    envs = [ScriptedEnv([Observation(done=True)]), Hang()]
+    start = time.monotonic()
+    with pytest.raises(EnvFailure, match=r"^sample 1, turn 1: env.step\(turn\) did not return "
+                                         r"within the time limit \(data.env_timeout_s=0.5;"):
+        rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
+    assert time.monotonic() - start < 10  # not the 30 s of the hung call

@@ -196,3 +196,42 @@ def test_sigterm_stops_both_sides_after_a_step_with_the_queue_saved(tmp_path):
     assert [p["step"] for p in meta["pending"]] == [done, done + 1]
     # Batch m was made at call m - 2, from the weights after m - 2 updates.
     assert [p["version"] for p in meta["pending"]] == [done - 2, done - 1]
+
+
+def test_a_staleness_whose_queue_cannot_fit_is_refused_naming_it(tmp_path, capsys):
+    """10^6 batches made ahead: the rollout side generated for ever (0 steps) instead of an
+    error; the memory fit counts the queue (~10 KB a batch per rollout device here)."""
+    from jaxrl.cli import EXIT_CONFIG_ERROR, main
+
+    assert main(["train", str(QUICKSTART), f"train.run_dir={tmp_path / 'r'}", *SMALL, *ASYNC,
+                 "algo.max_staleness=1000000", "perf.memory_limit_gib=1"]) == EXIT_CONFIG_ERROR
+    err = " ".join(capsys.readouterr().err.split())
+    assert "algo.max_staleness=1,000,000 keeps up to 1,000,000 batches made ahead on each " \
+           "rollout device" in err, err
+    fits = int(err.split("at most algo.max_staleness=")[1].split(" fits")[0].replace(",", ""))
+    assert 2 <= fits < 1_000_000
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.process
+def test_sigterm_while_the_queue_fills_stops_after_the_first_step(tmp_path):
+    """algo.max_staleness=50,000 fits (perf.memory_limit_gib=2) but its queue takes minutes
+    to fill at step 0: SIGTERM then ends the fill, and the run stops after step 0 with a
+    checkpoint, as a plain run does."""
+    process = _start(tmp_path / "r", "algo.max_staleness=50000", "perf.memory_limit_gib=2",
+                     "train.max_steps=3")
+    lines = []
+    try:
+        for line in process.stderr:  # the loop starts (and the fill with it) after preflight
+            lines.append(line)
+            if line.startswith("peak:"):
+                break
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    err = "".join(lines) + err
+    assert process.returncode == 0, err[-3000:]
+    assert "SIGTERM: stopped after step 1 with a checkpoint" in " ".join(err.split()), err
+    assert Checkpoints(tmp_path / "r").steps() == [1]
+    assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0]

@@ -71,6 +71,19 @@ def test_bad_multiturn_configs_exit_2_naming_the_problem(config, overrides, word
         assert word in text, (word, text)
 
 
+def test_the_python_tool_without_its_sandbox_program_exits_2_saying_how_to_install_it(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no bwrap on it
+    code = main(["train", TOOL, f"train.run_dir={tmp_path / 'r'}", "train.max_steps=1", *SMALL,
+                 "data.tools.names=[python]"])
+    assert code == EXIT_CONFIG_ERROR
+    text = " ".join(capsys.readouterr().err.split())
+    for words in ("data.tools.names=['python'] includes python", "`bwrap` is not on PATH",
+                  "apt-get install bubblewrap", "data.tools.python_sandbox=guard"):
+        assert words in text, (words, text)
+    assert not (tmp_path / "r").exists()
+
+
 def test_tool_task_rewards_by_hand():
     fields = {"expression": "4821*7306", "answer": "35222226"}
     right = "<call>4821*7306</call><result>35222226</result>35222226"

@@ -17,14 +17,20 @@ SLOTS = 4
 
 
 @pytest.fixture(scope="module")
-def stub(model_dir):
+def channel(model_dir):
     engine = make_engine(model_dir, slots=SLOTS)
     engine.warmup()
-    server = Server(engine, engine.load_params(), host="localhost", port=0, max_new_tokens=NEW)
+    server = Server("localhost", 0)
+    server.serve(engine, engine.load_params(), max_new_tokens=NEW)
     server.start()
     with grpc.insecure_channel(f"localhost:{server.port}") as channel:
-        yield jetstream_pb2_grpc.OrchestratorStub(channel)
+        yield channel
     server.drain(timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return jetstream_pb2_grpc.OrchestratorStub(channel)
 
 
 def text_request(text, max_tokens=NEW):
@@ -126,6 +132,22 @@ def test_a_malformed_request_gets_invalid_argument_and_the_server_goes_on(
     assert ask(stub, text_request("hello"))[0] == want["hello"][0]
     health = stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=10)
     assert health.is_live
+
+
+def test_text_that_is_not_utf8_gets_invalid_argument_and_the_server_goes_on(channel, stub,
+                                                                           want):
+    """A client that sends bytes as text (protobuf refuses to parse them): INVALID_ARGUMENT
+    naming UTF-8, where gRPC's own parser failed the call as UNKNOWN."""
+    good = text_request("AB").SerializeToString()
+    decode = channel.unary_stream("/jetstream_proto.Orchestrator/Decode",
+                                  request_serializer=lambda raw: raw,
+                                  response_deserializer=jetstream_pb2.DecodeResponse.FromString)
+    with pytest.raises(grpc.RpcError) as e:
+        list(decode(good.replace(b"AB", b"\xff\xfe"), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "String field had bad UTF-8" in e.value.details()
+    assert "text_content.text must be valid UTF-8" in e.value.details()
+    assert ask(stub, text_request("hello"))[0] == want["hello"][0]
 
 
 def test_the_generate_loop_restarts_after_jetstreams_racy_assertion(monkeypatch):
