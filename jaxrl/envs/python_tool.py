@@ -282,11 +282,9 @@ class PythonTool:
         if stopped == "output":
             return ToolResult(f"{text}\n[output truncated at {self.max_output_bytes} bytes; the "
                               f"process was stopped]", error=True)
-        signum = -proc.returncode if proc.returncode < 0 else None
-        if scratch is None and proc.returncode > 128:  # bwrap's init: 128 + the signal
-            signum = proc.returncode - 128
-        if signum is not None and signum in signal.Signals._value2member_map_:
-            sig = signal.Signals(signum)
+        sig = _signal(-proc.returncode if proc.returncode < 0 else
+                      proc.returncode - 128 if scratch is None and proc.returncode > 128 else 0)
+        if sig is not None:  # in the sandbox, bwrap's init exits with 128 + the signal
             if sig == signal.SIGXCPU:
                 return ToolResult(_then(text, "error: CPU time limit exceeded"), error=True,
                                   timed_out=True)
@@ -321,6 +319,14 @@ def _stop(proc: subprocess.Popen, sandbox: int | None) -> None:
         pass  # the group is gone: it exited
     proc.wait()
     proc.stdout.close()
+
+
+def _signal(number: int) -> signal.Signals | None:
+    """The signal numbered `number`; None for 0 or a number that names none."""
+    try:
+        return signal.Signals(number) if number else None
+    except ValueError:
+        return None
 
 
 def _then(output: str, message: str) -> str:

@@ -117,15 +117,17 @@ def test_two_ctrl_c_stop_a_run_whose_environment_hangs(tmp_path):
 
 
 @pytest.mark.process
-def test_sigterm_while_environments_run_stops_after_the_step_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 0), (signal.SIGINT, EXIT_INTERRUPTED)])
+def test_a_stop_while_environments_run_stops_after_the_step_with_a_checkpoint(tmp_path, sig,
+                                                                             status):
     process, started = _train(tmp_path, "slow", "train.max_steps=50")
     try:
         _wait_for(started, process)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(sig)
         _, err = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 0, err[-3000:]
-    assert "SIGTERM: stopped after step 1 with a checkpoint" in " ".join(err.split()), err
+    assert process.returncode == status, err[-3000:]
+    assert f"{sig.name}: stopped after step 1 with a checkpoint" in " ".join(err.split()), err
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0]
     assert (tmp_path / "r" / "checkpoints" / "1").is_dir()
