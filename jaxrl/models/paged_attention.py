@@ -140,3 +140,28 @@ def pallas_arguments(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM, length_S):
     table = jnp.clip(page_table_SxM, 0, num_pages - 1).astype(jnp.int32)
     return (q_SxNxH, kv_pages_PxTx2KxH, length_S.astype(jnp.int32), table, cu_q_lens,
             jnp.array([s], jnp.int32))
+
+
+def resolve_impl(attention: str, model_config, *, num_slots: int, num_pages: int,
+                 page_size: int, table_width: int) -> str:
+    """`auto`: the TPU kernel on TPU when its static checks take a pool of these shapes
+    (`num_pages` pages of `page_size` tokens, `table_width` pages per slot), else XLA."""
+    if attention != "auto":
+        return attention
+    if jax.default_backend() != "tpu":
+        return "xla"
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import static_validate_inputs
+
+    c = model_config
+    q = jax.ShapeDtypeStruct((num_slots, c.num_heads, c.head_dim), c.compute_dtype)
+    kv = jax.ShapeDtypeStruct((num_pages, page_size, 2 * c.num_kv_heads,
+                               c.head_dim), c.compute_dtype)
+    table = jax.ShapeDtypeStruct((num_slots, table_width), jnp.int32)
+    try:
+        args = jax.eval_shape(pallas_arguments, q, kv, table,
+                              jax.ShapeDtypeStruct((num_slots,), jnp.int32))
+        static_validate_inputs(*args, sm_scale=c.head_dim ** -0.5,
+                               sliding_window=c.sliding_window)
+    except (ValueError, NotImplementedError):
+        return "xla"
+    return "pallas"

@@ -33,6 +33,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import Transformer
+from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import slots
 from jaxrl.rollout.pages import PoolLayout, own_pages
 from jaxrl.rollout.sampling import SamplingParams
@@ -97,8 +98,9 @@ def plan(model_config, config: EngineConfig, num_prompts: int, prompt_len: int, 
     layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                              num_slots=num_slots, row_pages=config.row_pages)
-    config = dataclasses.replace(config, attention=resolve_attention(
-        config.attention, model_config, layout, num_slots))
+    config = dataclasses.replace(config, attention=resolve_impl(
+        config.attention, model_config, num_slots=num_slots, num_pages=layout.num_pages,
+        page_size=layout.page_size, table_width=layout.table_width))
     return Plan(layout, config, num_rows // num_prompts, tuple(stop_token_ids), sampling)
 
 
@@ -378,28 +380,3 @@ def slot_tiers(num_slots: int, min_slots: int | None) -> tuple[int, ...]:
     while min_slots is not None and tiers[-1] // 2 >= max(min_slots, 2):
         tiers.append(tiers[-1] // 2)
     return tuple(tiers)
-
-
-def resolve_attention(attention: str, model_config, layout: PoolLayout, num_slots: int) -> str:
-    """`auto`: the TPU kernel on TPU when its static checks take these shapes, else XLA."""
-    if attention != "auto":
-        return attention
-    if jax.default_backend() != "tpu":
-        return "xla"
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import static_validate_inputs
-
-    from jaxrl.models.paged_attention import pallas_arguments
-
-    c = model_config
-    q = jax.ShapeDtypeStruct((num_slots, c.num_heads, c.head_dim), c.compute_dtype)
-    kv = jax.ShapeDtypeStruct((layout.num_pages, layout.page_size, 2 * c.num_kv_heads,
-                               c.head_dim), c.compute_dtype)
-    table = jax.ShapeDtypeStruct((num_slots, layout.table_width), jnp.int32)
-    try:
-        args = jax.eval_shape(pallas_arguments, q, kv, table,
-                              jax.ShapeDtypeStruct((num_slots,), jnp.int32))
-        static_validate_inputs(*args, sm_scale=c.head_dim ** -0.5,
-                               sliding_window=c.sliding_window)
-    except (ValueError, NotImplementedError):
-        return "xla"
-    return "pallas"

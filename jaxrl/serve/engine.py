@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import from_pretrained
+from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import serving, slots
-from jaxrl.rollout.decode_loop import resolve_attention
 from jaxrl.rollout.engine import to_compute_dtype
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.run.run_dir import is_run_dir
@@ -86,8 +86,10 @@ class JetStreamEngine(engine_api.Engine):
         self.model_config = nnx.merge(graphdef, params).config
         self._params = place(params, self.model_config.compute_dtype, mesh, rules)
         layout = spec.layout
-        self.attention = slots.Attention(resolve_attention(
-            spec.attention, self.model_config, layout, spec.num_slots))
+        self.attention = slots.Attention(resolve_impl(
+            spec.attention, self.model_config, num_slots=spec.num_slots,
+            num_pages=layout.num_pages, page_size=layout.page_size,
+            table_width=layout.table_width))
         self._stops = slots.Stops(row_ids=tuple(spec.stop_token_ids))
         self._key = jax.random.key(spec.seed)
         self._requests = itertools.count()
