@@ -163,10 +163,8 @@ def _prefill(graphdef, weights, ids_P, mask_P):
 def _start(state, prefix, key_K, slot, limit, layout, stops, sampling):
     """The slot starts a row of the prefix's prompt (its home: the slot), its first token
     drawn with fold_in(key, 0)."""
-    first = slots.first_tokens(prefix.logits_PxV, key_K[None], sampling)
-    row = slots.Starts(jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), prefix.length_P,
-                       *first, key_K[None], jnp.full((1,), limit, jnp.int32))
-    return slots.insert_home(state, layout, prefix, row, slot, stops)
+    return slots.insert_home(state, layout, prefix, slots.one_row(prefix, key_K, limit, sampling),
+                             slot, stops)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6), donate_argnums=(2,))

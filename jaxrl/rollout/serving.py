@@ -84,11 +84,7 @@ def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Ar
     ids_1xL = jnp.roll(ids_L, shift)[None]  # left-padded
     mask_1xL = (jnp.arange(width) >= shift)[None]
     prefix = slots.prefill(model, ids_1xL, mask_1xL)
-    key_1xK = jax.random.key_data(key)[None]
-    token_1, logp_1, logp_raw_1 = slots.first_tokens(prefix.logits_PxV, key_1xK, sampling)
-    zero = jnp.zeros((1,), jnp.int32)
-    return prefix, slots.Starts(zero, zero, prefix.length_P, token_1, logp_1, logp_raw_1,
-                                key_1xK, jnp.full((1,), max_new_tokens, jnp.int32))
+    return prefix, slots.one_row(prefix, jax.random.key_data(key), max_new_tokens, sampling)
 
 
 def insert(state: slots.SlotState, prefix: Request, slot: jax.Array,

@@ -209,6 +209,15 @@ def first_tokens(logits_BxV: jax.Array, key_BxK: jax.Array, sampling: SamplingPa
     return sample_rows(keys_B, logits_BxV, sampling)
 
 
+def one_row(prefix: Prefix, key_K: jax.Array, limit, sampling: SamplingParams) -> Starts:
+    """A row of a one-prompt `prefix` (its key's raw data, its cap on new tokens), its first
+    token drawn: what a server and the multi-turn loop give `insert_home`."""
+    token_1, logp_1, logp_raw_1 = first_tokens(prefix.logits_PxV, key_K[None], sampling)
+    zero = jnp.zeros((1,), jnp.int32)
+    return Starts(zero, zero, prefix.length_P, token_1, logp_1, logp_raw_1, key_K[None],
+                  jnp.full((1,), limit, jnp.int32))
+
+
 def write_prompts(state: SlotState, layout: PoolLayout, kv_LxPxLx2KxH: jax.Array,
                   length_P: jax.Array, home_P: jax.Array) -> SlotState:
     """Prompt p's k/v (by position, its first length_P[p]) into the pages of home home_P[p]:
