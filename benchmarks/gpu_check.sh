@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check: `jaxrl bench` of a random Qwen2.5-1.5B-shaped policy (bf16) on one GPU, with
-# the headline numbers written to OUT_DIR. Run from anywhere; nothing is installed from the
-# network.
+# The GPU check: `jaxrl bench` of a random Qwen2.5-1.5B-shaped policy (bf16) on one GPU, and
+# the rollout engine on the same shape over every local GPU, with the headline numbers written
+# to OUT_DIR. Run from anywhere; nothing is installed from the network.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR                 # GPU: benchmarks/gpu_qwen2_1.5b.yaml
 #   bash benchmarks/gpu_check.sh OUT_DIR --tiny          # CPU: the same config, quickstart-sized
 #   ... [--steps N] [--warmup W] [dotted.key=value ...]  # bench options / config overrides
 #   ... --compiler-ab    # then the same bench without jaxrl's XLA flags (JAXRL_COMPILER_FLAGS=0)
 #   ... --attention      # first: attention_impl cudnn vs xla, training fwd+bwd (gpu_attention.py)
+#   ... --no-engine      # without the engine line (benchmarks/decode.py) before the bench
 #
 # Steps: (1) an installed jaxrl is used only if it is this tree, else the source tree goes on
 # PYTHONPATH; wheels in $GPU_CHECK_WHEELS (default <repo>/.whl) are installed offline into a
 # temporary folder first. (2) jaxrl's runtime dependencies (pyproject.toml) are checked: a
 # missing or too old one stops the check at once, by name (exit 3), as does a GPU run that
-# sees no GPU. (3) `python -m jaxrl.cli bench` runs under `timeout`, so the whole script ends
-# within $GPU_CHECK_BUDGET_S seconds (default 480; 240 with --tiny). (4) OUT_DIR gets, flat:
+# sees no GPU. (2c) The engine line, under its own `timeout` (below). (3) `python -m jaxrl.cli
+# bench` runs under `timeout`, so the whole script ends within $GPU_CHECK_BUDGET_S seconds
+# (default 570; 330 with --tiny; 90 less with --no-engine). (4) OUT_DIR gets, flat:
 #
 #   bench.json     the bench's JSON line          metrics.jsonl  one record per step
 #   log.txt        everything printed             config.yaml    the resolved config
+#   engine.json    the engine line's JSON object (benchmarks/decode.py --json, + "command")
 #   summary.md     headline numbers: train-step MFU, decode tokens/s against the HBM bound,
-#                  step MFU and HFU, peak memory; date, device_kind, jax version
+#                  step MFU and HFU, peak memory; date, device_kind, jax version; the engine's
+#                  tokens/s and KV pool bytes per device
 #
 # Exit status: 0 ok, 2 usage, 3 environment (dependency missing, no GPU), 124 timed out,
 # else the bench's own status. $PYTHON picks the interpreter (default python3).
@@ -36,16 +40,31 @@
 # It gets $GPU_CHECK_ATTENTION_BUDGET_S seconds (default 150; 180 with --tiny: it compiles four
 # programs, slow on a busy CPU), added to the default budget; OUT_DIR also gets attention.json
 # and summary.md its line. A failed check makes the exit status 1 when the bench succeeded.
+#
+# The engine line (on unless --no-engine): before the bench, benchmarks/decode.py runs jaxrl's
+# rollout engine (continuous batching, `--layout fsdp`) on the Qwen2.5-1.5B shape in bf16 over
+# every device JAX sees (no --devices: that fakes CPU devices), rows, slots and KV pages split
+# over them: 256 rows of 128 random prompt tokens + 256 new tokens each, all slots at once (the
+# bench's rows and lengths, one sample per prompt), 1 checked warm-up + 3 timed rollouts. Sized
+# for ~1 minute on one H100, not yet measured there (3.1 GB of weights + 2-3 GB of KV read per
+# decode step, 255 steps a rollout; compilation most of it); with --tiny the quickstart's
+# model, 8 rows, 8 + 8 tokens, ~20 s on 2 busy vCPUs. It gets $GPU_CHECK_ENGINE_BUDGET_S
+# seconds (default 90), part of the default budget; OUT_DIR gets engine.json and summary.md
+# its table (tokens_per_s, decode_step_s, kv_bytes_per_device: the KV pool one device
+# allocates, read off the partitioned program). A failed line makes the exit status 1 when
+# the bench succeeded. With --compiler-ab the default budget (660 s) exceeds one 10-minute
+# device call: add --no-engine there.
 set -uo pipefail
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
 
-OUT="" TINY=0 AB=0 ATTN=0 STEPS="" WARMUP="" EXTRA=()
+OUT="" TINY=0 AB=0 ATTN=0 ENGINE=1 STEPS="" WARMUP="" EXTRA=()
 while (($#)); do
   case "$1" in
     --tiny) TINY=1 ;;
     --compiler-ab) AB=1 ;;
     --attention) ATTN=1 ;;
+    --no-engine) ENGINE=0 ;;
     --steps) STEPS="${2:?--steps needs a number}"; shift ;;
     --warmup) WARMUP="${2:?--warmup needs a number}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -65,7 +84,8 @@ if ((TINY)); then
   MODE="tiny (CPU)"
   export JAX_PLATFORMS=cpu
   ATTN_BUDGET="${GPU_CHECK_ATTENTION_BUDGET_S:-180}"
-  BUDGET="${GPU_CHECK_BUDGET_S:-$(((AB ? 300 : 240) + (ATTN ? ATTN_BUDGET : 0)))}"
+  ENGINE_BUDGET="${GPU_CHECK_ENGINE_BUDGET_S:-90}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-$(((AB ? 300 : 240) + (ATTN ? ATTN_BUDGET : 0) + (ENGINE ? ENGINE_BUDGET : 0)))}"
   AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-120}"
   STEPS="${STEPS:-2}" WARMUP="${WARMUP:-1}"
   # The quickstart's model size and a few rows. float32, no remat and whole-vocabulary
@@ -77,19 +97,26 @@ if ((TINY)); then
              model.remat=none algo.logprob_chunk_size=null data.batch_size=8
              rollout.num_generations=4 data.max_prompt_len=8 rollout.max_new_tokens=8
              algo.microbatch_size=8 data.num_prompts=256)
+  ENGINE_ARGS=(--hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 256 --vocab 512
+               --batch 8 --prompt-len 8 --max-new-tokens 8 --page-size 4 --repeats 2)
 else
   MODE="GPU"
   ATTN_BUDGET="${GPU_CHECK_ATTENTION_BUDGET_S:-150}"
-  BUDGET="${GPU_CHECK_BUDGET_S:-$(((AB ? 570 : 480) + (ATTN ? ATTN_BUDGET : 0)))}"
+  ENGINE_BUDGET="${GPU_CHECK_ENGINE_BUDGET_S:-90}"
+  BUDGET="${GPU_CHECK_BUDGET_S:-$(((AB ? 570 : 480) + (ATTN ? ATTN_BUDGET : 0) + (ENGINE ? ENGINE_BUDGET : 0)))}"
   AB_BUDGET="${GPU_CHECK_AB_BUDGET_S:-200}"
   STEPS="${STEPS:-4}" WARMUP="${WARMUP:-1}"
   OVERRIDES=()
+  ENGINE_ARGS=(--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960
+               --vocab 151936 --dtype bfloat16 --batch 256 --prompt-len 128
+               --max-new-tokens 256 --repeats 3)
 fi
+ENGINE_ARGS+=(--layout fsdp --batching continuous --no-micro --json)
 OVERRIDES+=("${EXTRA[@]}")
 
 mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
-rm -f "$OUT"/{attention.json,bench.json,bench_no_compiler_flags.json,log.txt,summary.md,metrics.jsonl,config.yaml}
+rm -f "$OUT"/{attention.json,engine.json,bench.json,bench_no_compiler_flags.json,log.txt,summary.md,metrics.jsonl,config.yaml}
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")" || exit 2
 START=$SECONDS
 
@@ -106,6 +133,9 @@ finish() {
 trap finish EXIT
 
 say() { printf '[gpu_check %3ds] %s\n' "$((SECONDS - START))" "$*"; }
+# A program's progress (stderr) gets the seconds since the start, so a timed-out log still
+# shows where the time went.
+stamp() { while IFS= read -r line; do printf '[%4ds] %s\n' "$((SECONDS - START))" "$line"; done; }
 env_failed() {  # stop before the bench: say why, and write a summary.md that says so
   say "FAILED: $*"
   printf '# jaxrl GPU check: %s\n\nFAILED before the bench (%s):\n\n%s\n\nSee log.txt.\n' \
@@ -278,6 +308,23 @@ if ((ATTN)); then
   say "attention check exited with status $ATTN_RC"
 fi
 
+# (2c) The engine line: benchmarks/decode.py over every device JAX sees; engine.json at once.
+ENGINE_RC=0
+if ((ENGINE)); then
+  ENGINE_CMD=("$PYTHON" "$ROOT/benchmarks/decode.py" "${ENGINE_ARGS[@]}")
+  say "engine line (timeout ${ENGINE_BUDGET}s): ${ENGINE_CMD[*]}"
+  (cd "$WORK" && PYTHONUNBUFFERED=1 timeout --kill-after=15 "$ENGINE_BUDGET" \
+    "${ENGINE_CMD[@]}" 2>&1 >"$WORK/engine.txt") | stamp
+  ENGINE_RC=${PIPESTATUS[0]}
+  cat "$WORK/engine.txt"
+  if ((ENGINE_RC == 0)); then
+    "$PYTHON" -c 'import json, sys; r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); r["command"] = sys.argv[3]; open(sys.argv[2], "w").write(json.dumps(r, indent=1) + "\n")' \
+      "$WORK/engine.txt" "$OUT/engine.json" "${ENGINE_CMD[*]}" || ENGINE_RC=1
+  fi
+  ((ENGINE_RC == 137)) && ENGINE_RC=124
+  say "engine line exited with status $ENGINE_RC$( ((ENGINE_RC == 124)) && echo " (TIMED OUT after ${ENGINE_BUDGET}s)")"
+fi
+
 # (3) The bench, within what is left of the budget (20 s kept for the report, and B's share
 # with --compiler-ab).
 LEFT=$((BUDGET - (SECONDS - START) - 20 - (AB ? AB_BUDGET : 0)))
@@ -286,9 +333,8 @@ say "compiler flags (jaxrl/perf/compiler.py) the bench adds: $(cd "$WORK" && "$P
 CMD=("$PYTHON" -m jaxrl.cli bench "$CONFIG" "train.run_dir=$WORK/run" "${OVERRIDES[@]}"
      --steps "$STEPS" --warmup "$WARMUP")
 say "running (timeout ${LEFT}s): ${CMD[*]}"
-# Its progress (stderr) gets the seconds since the start, so a timed-out log still shows
-# where the time went (the memory line ends compilation, the flops line the FLOP count).
-stamp() { while IFS= read -r line; do printf '[%4ds] %s\n' "$((SECONDS - START))" "$line"; done; }
+# Its progress (stderr) is stamped (the memory line ends compilation, the flops line the
+# FLOP count).
 PYTHONUNBUFFERED=1 timeout --kill-after=15 "$LEFT" "${CMD[@]}" 2>&1 >"$WORK/stdout.txt" | stamp
 BENCH_RC=${PIPESTATUS[0]}
 cat "$WORK/stdout.txt"
@@ -475,6 +521,46 @@ if ((ATTN)); then
     grep '^attention check' "$WORK/attention.txt" || echo "No result line; see log.txt."
   } >>"$OUT/summary.md"
   ((BENCH_RC == 0 && ATTN_RC != 0)) && BENCH_RC=1
+fi
+if ((ENGINE)); then
+  "$PYTHON" - "$OUT" "$ENGINE_RC" >>"$OUT/summary.md" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out, rc = Path(sys.argv[1]), int(sys.argv[2])
+print(f"\n## Rollout engine (benchmarks/decode.py, exit {rc})\n")
+if not (out / "engine.json").exists():
+    print("No numbers: the engine line did not finish" + (" (TIMED OUT)" if rc == 124 else "")
+          + ". See log.txt.")
+    sys.exit()
+r = json.loads((out / "engine.json").read_text())
+
+
+def mib(x):
+    return "n/a" if x is None else f"{x:,} B ({x / 2**20:,.1f} MiB)"
+
+
+mesh = ", ".join(f"{a} {n}" for a, n in r["mesh"].items())
+rows = [
+    ("devices", "`device`, `mesh`", f"{r['device']}; mesh {mesh}"),
+    ("workload", "-", f"{r['batch']} rows, {r['prompt_len']} prompt + {r['max_new_tokens']} new "
+     f"tokens ({r['lengths']}), {r['batching']} batching, {r['slots']} slots in all, pages of "
+     f"{r['page_size']}, {r['dtype']}, {r['params']:,} parameters"),
+    ("generated tokens/s", "`tokens_per_s`", f"{r['tokens_per_s']:,.0f} ({r['generated_tokens']:,} "
+     f"tokens in {r['rollout_s'] * 1e3:,.1f} ms, median, prefill included)"),
+    ("decode step", "`decode_step_s`", "n/a" if r["decode_step_s"] is None else
+     f"{r['decode_step_s'] * 1e3:.2f} ms over {r['decode_iterations']} iterations"),
+    ("share of the HBM roofline", "`roofline_frac`", "n/a" if r["roofline_frac"] is None else
+     f"{r['roofline_frac']:.1%} of {r['bandwidth_gbs']:,.0f} GB/s (measured copy)"),
+    ("KV pool per device", "`kv_bytes_per_device`", mib(r["kv_bytes_per_device"])),
+    ("peak memory per device", "`peak_memory_bytes`", mib(r["peak_memory_bytes"])),
+]
+print("| metric | key | value |\n|---|---|---|")
+print("\n".join(f"| {a} | {k} | {v} |" for a, k, v in rows))
+print(f"\nCommand: `{r['command']}`")
+EOF
+  ((BENCH_RC == 0 && ENGINE_RC != 0)) && BENCH_RC=1
 fi
 
 # (5) --compiler-ab: B, the same bench without jaxrl's compiler flags (the user's own

@@ -1,5 +1,6 @@
-"""`benchmarks/gpu_check.sh`: its `--tiny` CPU run writes the report the GPU run would, and a
-missing runtime dependency stops it at once, by name; its GPU config is the model it claims."""
+"""`benchmarks/gpu_check.sh`: its `--tiny` CPU run writes the report the GPU run would (the
+bench's and the engine line's), and a missing runtime dependency stops it at once, by name;
+its GPU config is the model it claims."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import jax
 import pytest
 
 from jaxrl.config import ExperimentConfig, load_config
+from jaxrl.rollout.pages import PoolLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -37,7 +39,7 @@ def test_tiny_check_writes_bench_json_and_summary(tmp_path):
 
     files = sorted(p.name for p in out.iterdir())
     assert all((out / f).is_file() for f in files) and len(files) <= 8, files
-    assert {"bench.json", "log.txt", "summary.md"} <= set(files), files
+    assert {"bench.json", "engine.json", "log.txt", "summary.md"} <= set(files), files
 
     bench = json.loads((out / "bench.json").read_text())
     assert bench["num_devices"] == 1 and bench["device_kind"] == "cpu"
@@ -58,7 +60,24 @@ def test_tiny_check_writes_bench_json_and_summary(tmp_path):
     assert "| n/a |" in bound_row, bound_row
     assert "| result | ok |" in summary
 
+    # The engine line: decode.py over every device the process sees (here the one CPU
+    # device), 8 rows of 8 + 8 tokens, all in slots at once; its pool is the whole plan's.
+    engine = json.loads((out / "engine.json").read_text())
+    assert engine["device"] == "1 x cpu" and engine["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert (engine["batching"], engine["batch"], engine["slots"]) == ("continuous", 8, 8)
+    assert engine["generated_tokens"] == 8 * 8 and engine["tokens_per_s"] > 0
+    assert "--devices" not in engine["command"] and "--layout fsdp" in engine["command"]
+    pool = PoolLayout.plan(page_size=4, num_prompts=8, prompt_len=8, max_new_tokens=8,
+                           num_slots=8)
+    page_bytes = 2 * 4 * (2 * 2) * 16 * 4  # layers x page x 2K x head_dim x float32
+    assert engine["kv_bytes_per_device"] == pool.num_pages * page_bytes, engine
+    engine_part = summary[summary.index("## Rollout engine (benchmarks/decode.py, exit 0)"):]
+    for key in ("tokens_per_s", "kv_bytes_per_device", "decode_step_s"):
+        assert f"`{key}`" in engine_part, key
+    assert f"{engine['kv_bytes_per_device']:,} B" in engine_part
+
     log = (out / "log.txt").read_text()
+    assert "engine line exited with status 0" in log
     assert "bench exited with status 0" in log and log.rstrip().splitlines()[-1].startswith(
         "[gpu_check"), log[-2000:]
 
@@ -88,6 +107,7 @@ def test_gpu_run_without_a_gpu_stops_before_the_bench(tmp_path):
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-2000:]
     assert "FAILED: no GPU visible to JAX" in result.stdout and "--tiny" in result.stdout
     assert "running (timeout" not in result.stdout and not (out / "bench.json").exists()
+    assert "engine line (timeout" not in result.stdout and not (out / "engine.json").exists()
 
 
 def test_gpu_config_is_qwen2_5_1_5b_shaped():
