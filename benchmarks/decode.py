@@ -27,7 +27,8 @@ the C_r useful tokens of each row count as generated. `static` / `continuous` ru
 least 2) over a pool of --page-size-token pages and per-row limits C_r: static starts a batch
 of S rows only when every slot is free, continuous refills a slot as soon as its row ends
 (and with --min-slots M, once no row waits, moves the live rows into half the slots whenever
-they fit, down to M).
+they fit, down to M; `auto`, the default, is the engine's default: `decode_loop.tail_min_slots`,
+`min_slots_resolved` in the JSON; `none`: never).
 
 Timed: the compiled `Sampler.generate` program (prefill + decode loop + sampling), median of
 --repeats calls after a checked warm-up call. tokens_per_s = sum_r C_r / rollout_s. A decode
@@ -47,13 +48,13 @@ per cached token (keys and values of every layer):
            FLOPs = 2*B*W + 4*B*(P + T - 1)*L*H*D      (attention runs over every slot, masked)
     engine bytes = W*itemsize + kv*A                  A = live tokens per iteration, on average
            FLOPs = 2*S'*W + 4*A*L*H*D                 S' = slot steps / N: every slot goes through
-                                                      W, live or not (S' = S without --min-slots)
+                                                      W, live or not (S' = S without halving)
 
 A row with limit C is live for C - 1 iterations, attending over n + 1, ..., n + C - 1 tokens
 (n = P its prompt), so A = sum_r [(C_r - 1) P + C_r (C_r - 1) / 2] / N: only N depends on
-the batching. The engine's XLA attention path reads more than A per iteration: every slot
-(free ones too) gathers whole blocks of `pages_per_block` pages up to the longest live slot
-(kv_gathered_bytes_per_step). roofline_frac = bytes / bandwidth / decode_step_s;
+the batching. The engine's XLA attention path reads more than A per iteration: whole blocks
+of `pages_per_block` pages, for chunks of C slots (`paged_attention.chunk_slots`) at a time:
+block i for ceil(live_i / C) chunks, live_i the slots reaching it (kv_gathered_bytes_per_step). roofline_frac = bytes / bandwidth / decode_step_s;
 compute_frac = FLOPs / matmul rate / decode_step_s. Norm scales and biases are in W though
 they are not matmuls; activations and the float32 logits (B*V*4 bytes) are left out.
 peak_memory_bytes: XLA's plan for the rollout program (arguments + outputs - donated +
@@ -92,9 +93,15 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.models import KVCache, ModelConfig, Transformer, default_positions
+from jaxrl.models.paged_attention import chunk_slots
 from jaxrl.perf.memory import program_memory
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.decode_loop import EngineConfig, max_concurrent_decodes, slot_tiers
+from jaxrl.rollout.decode_loop import (
+    EngineConfig,
+    max_concurrent_decodes,
+    slot_tiers,
+    tail_min_slots,
+)
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.runtime import configure_xla
 from jaxrl.sharding import create_sharded, load_layout, make_mesh, use_rules
@@ -121,8 +128,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--length-sigma", type=float, default=1.0)
     p.add_argument("--slots", type=int, default=None, help="engine slots (default: --batch)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--min-slots", type=int, default=None,
-                   help="continuous: once no row waits, halve the slots down to this")
+    p.add_argument("--min-slots", type=min_slots_arg, default="auto",
+                   help="continuous: once no row waits, halve the slots down to this "
+                        "(auto: the engine's default; none: never)")
     p.add_argument("--layout", default="fsdp", help="preset or YAML; weights use its rollout rules")
     p.add_argument("--devices", type=int, default=None,
                    help="run on this many fake CPU devices (default: the backend's devices)")
@@ -138,6 +146,15 @@ def parse_args() -> argparse.Namespace:
                    help="also run decode_loop.rollout under jit and assert its iteration count")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p.parse_args()
+
+
+def min_slots_arg(text: str) -> int | str | None:
+    """--min-slots: `auto`, `none` or a slot count."""
+    if text.isdigit():
+        return int(text)
+    if text.lower() not in ("auto", "none"):
+        raise argparse.ArgumentTypeError(f"expected auto, none or a slot count, got {text!r}")
+    return None if text.lower() == "none" else "auto"
 
 
 def timed(fn, repeats: int, warmup: int = 1) -> float:
@@ -240,7 +257,12 @@ def engine_schedule(limits_B: np.ndarray, prompt_len: int, slots: int, batching:
             taken += 1
         length_S = prompt_len + t_S[live_S]  # tokens each live slot attends over
         live_tokens += int(length_S.sum())
-        gathered += len(live_S) * -(-int(length_S.max()) // tokens_per_block) * tokens_per_block
+        # The XLA path gathers block i for ceil(live_i / C) chunks of C slots (live_i: the
+        # slots reaching block i; `paged_attention.chunk_slots`).
+        blocks_S = -(-length_S // tokens_per_block)
+        chunk = chunk_slots(len(live_S))
+        gathered += sum(-(-int((blocks_S > i).sum()) // chunk) * chunk * tokens_per_block
+                        for i in range(int(blocks_S.max())))
         slot_steps += len(live_S)
         t_S += 1
         live_S &= t_S < limit_S
@@ -316,6 +338,7 @@ def main() -> None:
     else:
         engine = EngineConfig(max_slots=args.slots or batch, page_size=args.page_size,
                               batching=args.batching, min_slots=args.min_slots)
+        local_min_slots = None  # the halving's floor each device runs with (below)
         slots = max_concurrent_decodes(engine, batch)
         limits = jnp.asarray(limits_B)
     sampler = Sampler(graphdef, SamplerConfig(max_new_tokens=new, sampling=SamplingParams(1.0),
@@ -342,8 +365,9 @@ def main() -> None:
         # Each device of the batch axes runs its own rows with its share of the slots.
         shards = row_shards(mesh, rules, batch)
         local_slots = max(2, -(-slots // shards)) if shards > 1 else slots
+        local_min_slots = tail_min_slots(engine, local_slots, new)
         per_device = [engine_schedule(part, prompt_len, local_slots, args.batching,
-                                      tokens_per_block, args.min_slots)
+                                      tokens_per_block, local_min_slots)
                       for part in np.split(limits_B, shards)]
         iterations = max(x[0] for x in per_device)
         slot_steps, live_sum, gathered_sum = (sum(x[i] for x in per_device) for i in (1, 2, 3))
@@ -363,6 +387,7 @@ def main() -> None:
         "length_median": args.length_median if args.lengths == "longtail" else None,
         "length_sigma": args.length_sigma if args.lengths == "longtail" else None,
         "batch": batch, "slots": slots, "min_slots": None if dense else args.min_slots,
+        "min_slots_resolved": None if dense else local_min_slots,
         "decode_slot_steps": batch * (new - 1) if dense else slot_steps, "page_size": None if dense else args.page_size,
         "prompt_len": prompt_len, "max_new_tokens": new,
         "generated_tokens": generated, "limit_mean": float(limits_B.mean()),

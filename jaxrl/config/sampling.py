@@ -55,8 +55,10 @@ class RolloutSection(SamplingSection):
     kv_pages: int | None = None  # row pages in the pool; null: every slot's worst case
     # Continuous batching only: once no row waits, the live rows move into half as many slots
     # whenever they fit, down to min_slots (each halving compiles one more decode loop), so a
-    # long tail of rows stops paying for free slots. null: the slot count never changes.
-    min_slots: int | None = None
+    # long tail of rows stops paying for free slots. null: the slot count never changes;
+    # auto: down to max(2, slots / 16) when rows may run 32 tokens or more, else never
+    # (`decode_loop.tail_min_slots`; in-flight pieces keep their slots).
+    min_slots: int | str | None = "auto"
     # auto: the TPU kernel (Pallas ragged_paged_attention) on TPU when it takes the shapes,
     # else the XLA path (blocks of pages up to the longest live row)
     attention: Literal["auto", "xla", "pallas"] = "auto"
@@ -77,15 +79,18 @@ class RolloutSection(SamplingSection):
             fail("rollout", self, "max_total_tokens", f">= rollout.max_new_tokens="
                                                       f"{self.max_new_tokens} (one turn), or null")
         require_at_least("rollout", self, ("max_slots", "kv_pages"), 1, " or null")
-        require_at_least("rollout", self, ("min_slots",), 2, " or null")
+        if self.min_slots != "auto":
+            if isinstance(self.min_slots, str):
+                fail("rollout", self, "min_slots", "an integer >= 2, 'auto' or null")
+            require_at_least("rollout", self, ("min_slots",), 2, ", 'auto' or null")
         try:
             self.engine_config()  # the engine's own checks of how its settings combine
         except ValueError as e:
             raise ValueError(f"rollout.{e}") from None
-        if self.inflight_updates and self.min_slots is not None:
+        if self.inflight_updates and self.min_slots not in (None, "auto"):
             raise ValueError(f"rollout.inflight_updates=true keeps a rollout's slot count "
                              f"between its pieces, but rollout.min_slots={self.min_slots}; "
-                             f"expected null")
+                             f"expected null or 'auto'")
         if self.ignore_eos and self.stop_token_ids:
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")

@@ -13,9 +13,14 @@ an online softmax (running max m, sum l, accumulator a, all float32),
 
     m' = max(m, max_j x_j)    l' = l e^(m - m') + sum_j e^(x_j - m')    a' = a e^(m - m') + sum_j e^(x_j - m') v_j
 
-for as many blocks as the longest live slot needs, so a step reads the pages in use, not the
-pool. Masked scores are -inf; a fully masked block changes nothing (exp(-inf) = 0), so a
-slot's output does not depend on the other slots' lengths. A slot of length 0 gets zeros.
+that reads only live blocks: the slots, longest first, are cut in chunks of C
+(`chunk_slots`), and block i is gathered only for the chunks holding a slot that reaches it.
+A free slot (length 0) or a block past a slot's last page is never gathered unless its chunk
+holds a slot that needs that block: a step gathers sum_i ceil(live_i / C) C blocks (live_i:
+slots reaching block i), not S x the longest slot's blocks (free slots cost 2-10x the live
+KV that way). Within a chunk, scores past a slot's length are -inf; a fully masked block
+changes nothing (exp(-inf) = 0, the correction exp(m - m) = 1), so a slot's output is the
+same bits whatever the other slots' lengths and C. A slot of length 0 gets zeros.
 `pallas` calls the TPU kernel (TPU only).
 """
 
@@ -49,8 +54,9 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
                             layer: jax.Array, page_table_SxM: jax.Array, length_S: jax.Array,
                             *, scale: float, sliding_window: int | None = None,
                             pages_per_block: int = 8, impl: AttentionImpl = "xla",
-                            ) -> jax.Array:
-    """out_SxNxH: each slot's query over its first length_S[s] cached tokens (see above)."""
+                            slots_per_chunk: int | None = None) -> jax.Array:
+    """out_SxNxH: each slot's query over its first length_S[s] cached tokens (see above);
+    `slots_per_chunk`: C of the XLA path (None: `chunk_slots(S)`)."""
     if impl == "pallas":
         return _pallas(q_SxNxH, kv_pages_LxPxTx2KxH[layer], page_table_SxM, length_S,
                        scale=scale, sliding_window=sliding_window,
@@ -68,51 +74,77 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
     table_SxM = jnp.pad(page_table_SxM, ((0, 0), (0, num_blocks_total * block - max_pages)))
     table_SxM = jnp.clip(table_SxM, 0, kv_pages_LxPxTx2KxH.shape[1] - 1)
     tokens_per_block = block * page_size
-    num_blocks = (jnp.max(length_S) + tokens_per_block - 1) // tokens_per_block
+    c = min(s, slots_per_chunk or chunk_slots(s))
+    # Slots by length, longest first: block i's live slots are the first live_I[i] of them.
+    order_S = jnp.argsort(-length_S, stable=True).astype(jnp.int32)
+    blocks_S = (length_S + tokens_per_block - 1) // tokens_per_block
+    live_I = jnp.sum(blocks_S[None, :] > jnp.arange(num_blocks_total)[:, None], axis=1,
+                     dtype=jnp.int32)
+    num_blocks = jnp.sum(live_I > 0, dtype=jnp.int32)
     # Head-major inside: the dots batch over (kv head, slot), the leading axes of both sides.
     q_KxSxGxH = (q_SxNxH.reshape(s, k, g, h).astype(jnp.float32) * scale).transpose(1, 0, 2, 3)
-    query_pos_S = length_S - 1
     key_heads_Kx1x1 = 2 * jnp.arange(k)[:, None, None]  # value head: key head + 1
 
-    def planes(pages_SxB, heads_Kx1x1):
-        """[K, S, J, H]: those heads of the pool for the pages_SxB, one gather straight into
-        the layout the dots read (gathering [S, J, 2K, H] and splitting keys from values
+    def planes(pages_CxB, heads_Kx1x1):
+        """[K, C, J, H]: those heads of the pool for the pages_CxB, one gather straight into
+        the layout the dots read (gathering [C, J, 2K, H] and splitting keys from values
         cost two transposes per layer and decode step: 3.6 -> 2.4 ms for 64 slots of 128
         tokens, 2 KV heads, on CPU)."""
-        return kv_pages_LxPxTx2KxH[layer, pages_SxB[None], :, heads_Kx1x1, :].reshape(
-            k, s, tokens_per_block, h).astype(jnp.float32)
+        return kv_pages_LxPxTx2KxH[layer, pages_CxB[None], :, heads_Kx1x1, :].reshape(
+            k, -1, tokens_per_block, h).astype(jnp.float32)
 
     def body(state):
-        i, m_KxSxG, l_KxSxG, acc_KxSxGxH = state
-        pages_SxB = jax.lax.dynamic_slice_in_dim(table_SxM, i * block, block, axis=1)
-        k_KxSxJxH = planes(pages_SxB, key_heads_Kx1x1)
-        v_KxSxJxH = planes(pages_SxB, key_heads_Kx1x1 + 1)
-        x_KxSxGxJ = jnp.einsum("ksgh,ksjh->ksgj", q_KxSxGxH, k_KxSxJxH)
+        i, r, m_KxSxG, l_KxSxG, acc_KxSxGxH = state
+        # The chunk: ranks r .. r + C - 1 of block i; a rank past the slots is no slot (S).
+        rank_C = r + jnp.arange(c)
+        slot_C = jnp.where(rank_C < s, order_S[jnp.clip(rank_C, 0, s - 1)], s)
+        safe_C = jnp.clip(slot_C, 0, s - 1)
+        pages_CxB = jax.lax.dynamic_slice_in_dim(table_SxM[safe_C], i * block, block, axis=1)
+        k_KxCxJxH = planes(pages_CxB, key_heads_Kx1x1)
+        v_KxCxJxH = planes(pages_CxB, key_heads_Kx1x1 + 1)
+        x_KxCxGxJ = jnp.einsum("ksgh,ksjh->ksgj", q_KxSxGxH[:, safe_C], k_KxCxJxH)
         key_pos_J = i * tokens_per_block + jnp.arange(tokens_per_block)
-        ok_SxJ = key_pos_J[None, :] < length_S[:, None]
+        length_C = jnp.where(slot_C < s, length_S[safe_C], 0)
+        ok_CxJ = key_pos_J[None, :] < length_C[:, None]
         if sliding_window is not None:
-            ok_SxJ &= query_pos_S[:, None] - key_pos_J[None, :] < sliding_window
-        x_KxSxGxJ = jnp.where(ok_SxJ[None, :, None, :], x_KxSxGxJ, -jnp.inf)
-        m_new = jnp.maximum(m_KxSxG, jnp.max(x_KxSxGxJ, axis=-1))
+            ok_CxJ &= (length_C - 1)[:, None] - key_pos_J[None, :] < sliding_window
+        x_KxCxGxJ = jnp.where(ok_CxJ[None, :, None, :], x_KxCxGxJ, -jnp.inf)
+        m_old, l_old, acc_old = m_KxSxG[:, safe_C], l_KxSxG[:, safe_C], acc_KxSxGxH[:, safe_C]
+        m_new = jnp.maximum(m_old, jnp.max(x_KxCxGxJ, axis=-1))
         # Rows with nothing seen yet keep m = -inf; shift by 0 there to avoid inf - inf.
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p_KxSxGxJ = jnp.exp(x_KxSxGxJ - shift[..., None])
-        correction = jnp.exp(m_KxSxG - shift)
-        l_new = l_KxSxG * correction + jnp.sum(p_KxSxGxJ, axis=-1)
-        acc_new = acc_KxSxGxH * correction[..., None] + jnp.einsum(
-            "ksgj,ksjh->ksgh", p_KxSxGxJ, v_KxSxJxH)
-        return i + 1, m_new, l_new, acc_new
+        p_KxCxGxJ = jnp.exp(x_KxCxGxJ - shift[..., None])
+        correction = jnp.exp(m_old - shift)
+        l_new = l_old * correction + jnp.sum(p_KxCxGxJ, axis=-1)
+        acc_new = acc_old * correction[..., None] + jnp.einsum(
+            "ksgj,ksjh->ksgh", p_KxCxGxJ, v_KxCxJxH)
+        # Each slot is in the chunk once (ranks are distinct); "no slot" writes nothing.
+        m_KxSxG = m_KxSxG.at[:, slot_C].set(m_new, mode="drop")
+        l_KxSxG = l_KxSxG.at[:, slot_C].set(l_new, mode="drop")
+        acc_KxSxGxH = acc_KxSxGxH.at[:, slot_C].set(acc_new, mode="drop")
+        r = r + c
+        more = r < live_I[jnp.clip(i, 0, num_blocks_total - 1)]
+        return (jnp.where(more, i, i + 1), jnp.where(more, r, 0), m_KxSxG, l_KxSxG,
+                acc_KxSxGxH)
 
-    init = (jnp.int32(0), jnp.full((k, s, g), -jnp.inf, jnp.float32),
+    init = (jnp.int32(0), jnp.int32(0), jnp.full((k, s, g), -jnp.inf, jnp.float32),
             jnp.zeros((k, s, g), jnp.float32), jnp.zeros((k, s, g, h), jnp.float32))
-    if num_blocks_total == 1:  # every row fits one block: no loop (its overhead is per layer)
-        _, _, l_KxSxG, acc_KxSxGxH = body(init)
+    if num_blocks_total == 1 and c == s:  # one chunk of one block: no loop (its overhead is
+        _, _, _, l_KxSxG, acc_KxSxGxH = body(init)  # per layer)
     else:
-        _, _, l_KxSxG, acc_KxSxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks, body,
-                                                        init)
+        _, _, _, l_KxSxG, acc_KxSxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks,
+                                                           body, init)
     out_KxSxGxH = acc_KxSxGxH / jnp.where(l_KxSxG > 0, l_KxSxG, 1.0)[..., None]
     out_SxKxGxH = out_KxSxGxH.transpose(1, 0, 2, 3)
     return out_SxKxGxH.reshape(s, n, h).astype(q_SxNxH.dtype)
+
+
+def chunk_slots(num_slots: int) -> int:
+    """C: the slots the XLA path gathers a block for at once: an eighth of them, at least 8
+    (each chunk is one more loop trip per layer: fewer, larger chunks where slots are few).
+    CPU, 64 slots of long-tailed rows (`benchmarks/decode.py`, static batching): 13.5 s with
+    one chunk of all 64, 11.0 s with chunks of 8; chunks of 16 were no faster."""
+    return min(num_slots, max(8, -(-num_slots // 8)))
 
 
 def _pallas(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM, length_S, *, scale, sliding_window,

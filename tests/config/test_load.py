@@ -126,7 +126,9 @@ def test_a_removed_key_says_why_and_a_saved_config_drops_it(tmp_path):
     ("rollout.page_size=0", r"rollout.page_size must be >= 1, got 0"),
     ("rollout.max_slots=0", r"rollout.max_slots must be >= 1 or null, got 0"),
     ("rollout.kv_pages=-3", r"rollout.kv_pages must be >= 1 or null, got -3"),
-    ("rollout.min_slots=1", r"rollout.min_slots must be >= 2 or null, got 1"),
+    ("rollout.min_slots=1", r"rollout.min_slots must be >= 2, 'auto' or null, got 1"),
+    ("rollout.min_slots=most", r"rollout.min_slots must be an integer >= 2, 'auto' or null, "
+                               r"got 'most'"),
     ("rollout.batching=dynamic", r"rollout.batching"),
     ("rollout.attention=flash", r"rollout.attention"),
 ])
@@ -140,3 +142,6 @@ def test_bad_engine_settings_name_the_key(override, match):
         load_config(Schema, None, ["rollout.min_slots=4", "rollout.batching=static"])
     cfg = load_config(Schema, None, ["rollout.max_slots=64", "rollout.min_slots=4"])
     assert cfg.rollout.engine_config().min_slots == 4
+    # The default halves the tail by itself; static batching takes it (it never halves).
+    assert load_config(Schema, None, []).rollout.engine_config().min_slots == "auto"
+    load_config(Schema, None, ["rollout.batching=static"])

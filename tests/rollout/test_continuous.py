@@ -20,6 +20,7 @@ from jaxrl.rollout.decode_loop import (
     max_concurrent_decodes,
     plan,
     rollout,
+    tail_min_slots,
 )
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
 from jaxrl.rollout.types import prompt_keys
@@ -294,6 +295,48 @@ def test_ragged_attention_matches_dense_attention_and_the_kernel_reference():
         *pallas_arguments(q_SxNxH[live], kv_LxPxTx2KxH[1], table_SxM[live], length_S[live]),
         sm_scale=dim ** -0.5)
     np.testing.assert_allclose(out[live], ref, atol=1e-6)
+
+
+def test_a_slots_attention_is_the_same_bits_whatever_the_chunks_and_the_other_slots():
+    """The XLA path gathers a block only for the chunks of slots that reach it: any chunk
+    size, and any lengths of the other slots (free ones too), give a slot the same bits as
+    one chunk of all the slots; a free slot gets zeros."""
+    from jaxrl.models.paged_attention import chunk_slots, ragged_decode_attention
+
+    rng = np.random.default_rng(1)
+    slots, heads, kv_heads, dim, page, pages, width = 12, 4, 2, 8, 4, 80, 6
+    q_SxNxH = jnp.asarray(rng.standard_normal((slots, heads, dim)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, pages, page, 2 * kv_heads, dim)), jnp.float32)
+    table_SxM = jnp.asarray(rng.permutation(pages)[:slots * width].reshape(slots, width))
+    length_S = jnp.asarray([0, 24, 3, 0, 9, 17, 1, 0, 12, 5, 24, 8], jnp.int32)
+
+    def attend(length_S, chunk):
+        return np.asarray(jax.jit(lambda lengths: ragged_decode_attention(
+            q_SxNxH, kv, 1, table_SxM, lengths, scale=dim ** -0.5, pages_per_block=2,
+            slots_per_chunk=chunk))(length_S))
+
+    whole = attend(length_S, slots)
+    for chunk in (2, 3, 5, 8):
+        np.testing.assert_array_equal(attend(length_S, chunk), whole, err_msg=f"C={chunk}")
+    # Slot 4's output when every other slot is free, or as long as the longest.
+    for other in (0, 24):
+        alone = attend(jnp.where(jnp.arange(slots) == 4, length_S, other), 2)
+        np.testing.assert_array_equal(alone[4], whole[4], err_msg=f"others at {other}")
+    np.testing.assert_array_equal(whole[length_S == 0], 0.0)
+    assert [chunk_slots(s) for s in (2, 8, 64, 65, 512)] == [2, 8, 8, 9, 64]
+
+
+def test_auto_min_slots_halves_only_a_long_tail_of_continuous_batching():
+    auto = EngineConfig()
+    assert auto.min_slots == "auto"
+    assert tail_min_slots(auto, 64, 256) == 4  # S / 16: four halvings at most
+    assert tail_min_slots(auto, 16, 64) == 2
+    assert tail_min_slots(auto, 256, 4) is None  # the quickstart: no tail to halve
+    assert tail_min_slots(EngineConfig(batching="static"), 64, 256) is None
+    assert tail_min_slots(EngineConfig(min_slots=8), 64, 4) == 8
+    assert tail_min_slots(EngineConfig(min_slots=None), 64, 256) is None
+    with pytest.raises(ValueError, match="min_slots must be >= 2, 'auto' or None, got 'some'"):
+        EngineConfig(min_slots="some")
 
 
 @pytest.mark.parametrize("slots, min_slots", [(3, None), (ROWS, 2)])
