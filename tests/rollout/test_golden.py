@@ -4,8 +4,8 @@ The RL engine's rows (temperature 1, fixed keys; continuous and static batching,
 without tail halving), the serving engine's requests (greedy and sampled, two slots, as a
 server drives them) and multi-turn episodes (an environment that echoes the turn) were
 recorded from the three engines of commit 4dca018 into `golden_engines.json`; the engine
-that replaces them must give the same tokens, token for token, and the same log-probs (the
-served requests: on one device and with the slots split over 8 devices).
+that replaces them must give the same tokens, token for token, and the same log-probs, on
+one device and with the slots split over 8 devices.
 
     python -m tests.rollout.test_golden --record     rewrite the file (only on purpose)
 """
@@ -161,20 +161,22 @@ class EchoEnv:
         return Observation(text=" ".join(map(str, [*last, 40])))
 
 
-def episodes(model):
-    """4 prompts x 2 samples, 3 slots, temperature 1, turns end on STOP or 4 tokens."""
+def episodes(model, layout=None, num_slots=3):
+    """4 prompts x 2 samples, 3 slots, temperature 1, turns end on STOP or 4 tokens (on the
+    mesh of sharding `layout`, the slots split over its devices)."""
     from jaxrl.rollout.multiturn import MultiTurnConfig, rollout_multiturn
 
     prompts = PROMPTS[:4]
     ids, mask = _left_padded(prompts)
     ids, mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
-    config = MultiTurnConfig(max_turns=3, max_total_tokens=20, max_turn_tokens=4, num_slots=3,
-                             page_size=4, stop_token_ids=(STOP,), eos_token_ids=(EOS,),
-                             chunk_width=8)
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=20, max_turn_tokens=4,
+                             num_slots=num_slots, page_size=4, stop_token_ids=(STOP,),
+                             eos_token_ids=(EOS,), chunk_width=8)
+    mesh, rules = _mesh(layout)
     out = rollout_multiturn(model, ids, mask, [EchoEnv() for _ in range(8)],
                             lambda text: [int(t) for t in text.split()],
                             lambda ids: " ".join(map(str, ids)), jax.random.key(11), config,
-                            num_generations=2)
+                            num_generations=2, mesh=mesh, rules=rules)
     r = out.rollout
     mask_BxC = np.asarray(r.completion_mask_BxC)
     return {"tokens": [np.asarray(x)[m].tolist() for x, m in zip(r.completion_ids_BxC,
@@ -249,9 +251,16 @@ def test_served_requests_on_a_mesh_are_the_recorded_ones(family_model, golden, l
     assert served(model, temperature, layout, MESH_SLOTS[layout]) == want
 
 
-def test_episodes_are_the_recorded_ones(family_model, golden):
+@pytest.mark.parametrize("layout", [None, "dp_fsdp_tp"])
+def test_episodes_are_the_recorded_ones(family_model, golden, layout):
+    """On one device, and on the (2, 2, 2) mesh with the slots split 4 ways."""
     family, model = family_model
-    got, want = episodes(model), golden[family]["episodes"]
+    if layout is None:
+        got = episodes(model)
+    else:
+        assert _on_mesh(model, layout, MESH_SLOTS[layout])[0].devices == 4
+        got = episodes(model, layout, MESH_SLOTS[layout])
+    want = golden[family]["episodes"]
     for name in ("observation", "turn_starts", "turn_ends", "reward"):
         assert got[name] == want[name], f"{family}: {name} differ"
     _same_rows(got, want, f"{family} episodes")
