@@ -119,19 +119,21 @@ def _collectives(hlo):
 
 @pytest.mark.parametrize("layout, num_slots", [("fsdp", 16), ("dp_fsdp_tp", 8)])
 def test_a_decode_step_has_no_collective_over_the_batch_axes(layout, num_slots):
-    """The partitioned programs: each device's pool is its own N pages (not D x N); a
-    decode step and an insert communicate only within a tensor group (none at all on fsdp,
-    where tensor is 1): device ids 2k, 2k + 1 on dp_fsdp_tp, tensor being the minor axis."""
+    """The partitioned programs: each device's pool is its own N pages (not D x N), updated
+    in place (the state donated: no copy of it); a decode step and an insert communicate
+    only within a tensor group (none at all on fsdp, where tensor is 1): device ids 2k,
+    2k + 1 on dp_fsdp_tp, tensor being the minor axis."""
     split, weights, pool, init, prefill, insert, generate = _server(layout, num_slots)
     state = jax.eval_shape(init)
     prefix = jax.eval_shape(prefill, weights, np.zeros((8,), np.int32), 3)
-    step = jax.jit(generate).lower(weights, state).compile().as_text()
-    start = jax.jit(insert).lower(state, prefix, 5).compile().as_text()
+    step = jax.jit(generate, donate_argnums=1).lower(weights, state).compile().as_text()
+    start = jax.jit(insert, donate_argnums=0).lower(state, prefix, 5).compile().as_text()
     c = _model("qwen2").config
+    buffer = rf"f32\[{c.num_layers},(\d+),{pool.page_size},\d+,{c.head_dim}\]"
     for hlo in (step, start):
-        pools = {int(n) for n in re.findall(rf"f32\[{c.num_layers},(\d+),{pool.page_size},"
-                                            rf"\d+,{c.head_dim}\]", hlo)}
+        pools = {int(n) for n in re.findall(buffer, hlo)}
         assert pool.num_pages in pools and split.devices * pool.num_pages not in pools, pools
+        assert not re.search(rf"= {buffer}\S* copy\(", hlo)
     tensor = [[2 * k, 2 * k + 1] for k in range(4)]
     for hlo in (step, start):
         found = _collectives(hlo)
