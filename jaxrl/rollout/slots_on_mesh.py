@@ -171,9 +171,8 @@ class SlotSplit:
 
         def one(path, x):
             if _name(path) == "kv_pages":
-                spec = [*self.rules.spec(_KV_AXES, x.shape, self.mesh), None, None, None]
-                spec[1] = split
-                return NamedSharding(self.mesh, P(*spec[:x.ndim]))
+                return NamedSharding(self.mesh, pool_spec(self.mesh, self.rules, self.axes,
+                                                          x.shape))
             return NamedSharding(self.mesh, P(split))
 
         return jax.tree_util.tree_map_with_path(one, state)
@@ -191,6 +190,14 @@ class SlotSplit:
         """fn() inside the shard_map, under the rules less the manual axes."""
         with use_rules(jax.sharding.get_abstract_mesh(), self.rules.without(self.axes)):
             return fn()
+
+
+def pool_spec(mesh: Mesh, rules: AxisRules, axes: tuple[str, ...], shape) -> P:
+    """The PartitionSpec of a pool ([layers, pages, page_size, 2 * kv_heads, head_dim]) whose
+    pages are the devices' of `axes` side by side, its kv heads split by the rules."""
+    spec = [*rules.spec(_KV_AXES, shape, mesh), None, None, None, None, None][:len(shape)]
+    spec[1] = axes or None
+    return P(*spec)
 
 
 def batch_devices(mesh: Mesh, rules: AxisRules) -> int:
