@@ -24,14 +24,17 @@ one device's pool) and its own free stack; page ids in a page table or on a free
 the device's own (0 .. N-1). Each device's free count is one entry of `FreePages.count`, [D]
 here (a scalar in the engine's ops). A slot's tokens do not depend on D (its key is its own);
 a device with one slot decodes it with matrix-vector products, which round differently from
-two or more (`decode_loop.max_concurrent_decodes`; log-probs within ~1e-6).
+two or more (`decode_loop.max_concurrent_decodes`; measured on CPU: 2e-6 in log-probs).
 
 Collectives per decode step (`on_each`): none over the batch axes, which are manual here
-(each device decodes its own slots with its own copy of the weights); over `tensor`, the
-model's own (heads and vocabulary split there: an all-reduce after attention and after the
-MLP per layer, the logits' gather for sampling). `on_owner` runs `fn` under a `lax.cond` on
-the device's index: the other devices skip it (all devices of one tensor group share that
-index, so the model's tensor collectives inside run on all of them or none).
+(each device decodes its own slots with its own copy of the weights: the shipped rollout
+rules keep the weights off those axes; rules that split a weight over them would gather it
+at every call). Over `tensor`, the model's own: heads and vocabulary split there, an
+all-reduce after attention and after the MLP per layer, the logits' reductions for
+sampling, and (XLA:CPU, measured) an all-reduce of the page blocks the paged attention
+gathers from the pool, whose kv heads are split there. `on_owner` runs `fn` under a
+`lax.cond` on the device's index: the other devices skip it (all devices of one tensor group
+share that index, so the model's tensor collectives inside run on all of them or none).
 """
 
 from __future__ import annotations
