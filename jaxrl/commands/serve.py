@@ -4,8 +4,10 @@
     policy   with train.run_dir: its checkpoint N (newest without --step), else its
              final_model/ (a run_dir missing or holding neither is refused, naming it); else
              model.path; on the mesh of sharding.layout
-    slots    serve.max_slots, or as many as fit in serve.memory_fraction of a device; an
-             explicit count the KV cache cannot fit is refused before the pool is allocated
+    slots    serve.max_slots, or as many as fit in serve.memory_fraction of a device times the
+             devices of the rollout layout's batch axes (the slots split over them,
+             `jaxrl.rollout.slots_on_mesh`); an explicit count whose share of one device
+             does not fit is refused before the pool is allocated
     server   JetStream's orchestrator and gRPC service on that port (`jaxrl.serve.server`),
              every program compiled first (serve.warmup)
     prints   "serving on HOST:PORT" (stderr) once it answers, then serves until SIGTERM or
@@ -33,6 +35,7 @@ from jaxrl.data.tokenizer import load_tokenizer, stop_token_ids
 from jaxrl.models import from_pretrained
 from jaxrl.perf.memory import MemoryFitError, format_bytes, memory_limit
 from jaxrl.rollout import serving
+from jaxrl.rollout.slots_on_mesh import SlotSplit, batch_devices
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.run_dir import FINAL_MODEL_DIR
 from jaxrl.run.saved_policy import load_run_policy
@@ -74,7 +77,7 @@ def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: thre
     # checkpoint restored onto one device) is dropped before the slots are sized.
     params = place(params, model_config.compute_dtype, mesh, layout.rollout_rules)
     del model
-    slots = _slots(cfg, model_config, params)
+    slots = _slots(cfg, model_config, params, mesh, layout.rollout_rules)
     spec = EngineSpec(
         num_slots=slots, max_prefill_length=serve.max_prefill_length,
         max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size,
@@ -87,9 +90,10 @@ def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: thre
         seed=serve.seed)
     engine = JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=layout.rollout_rules)
     del params
-    console.print(f"[bold]serve[/]: {source} on mesh {dict(mesh.shape)}, {slots} slots, "
-                  f"prompts up to {serve.max_prefill_length} tokens, up to "
-                  f"{serve.max_new_tokens} new tokens, stop ids {list(spec.stop_token_ids)}")
+    console.print(f"[bold]serve[/]: {source} on mesh {dict(mesh.shape)}, {slots} slots "
+                  f"({engine.split.describe()}), prompts up to {serve.max_prefill_length} tokens, up to "
+                  f"{serve.max_new_tokens} new tokens, stop ids {list(spec.stop_token_ids)}",
+                  soft_wrap=True)  # one line, for grep and logs
     if serve.warmup:
         start = time.perf_counter()
         engine.warmup()
@@ -155,10 +159,12 @@ def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
     return model, path, str(path)
 
 
-def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
-    """serve.max_slots (refused when its KV pages do not fit), or what fits beside the
-    weights (`params`: as served, one device's share of them)."""
+def _slots(cfg: ExperimentConfig, model_config, params: nnx.State, mesh, rules) -> int:
+    """serve.max_slots (refused when one device's share of their KV pages does not fit), or
+    what fits on one device beside the weights (`params`: as served, one device's share of
+    them) times the devices the slots split over (`rules`: the rollout rules)."""
     serve = cfg.serve
+    devices = batch_devices(mesh, rules)
     memory, where = memory_limit(cfg.perf.memory_limit_gib)
     device = jax.local_devices()[0]
     weights = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
@@ -169,18 +175,20 @@ def _slots(cfg: ExperimentConfig, model_config, params: nnx.State) -> int:
     if serve.max_slots is not None:  # checked before the engine allocates the pool
         fit = serving.slots_that_fit(model_config, memory_bytes=memory, weight_bytes=weights,
                                      fraction=serve.memory_fraction, cap=None, **kw)
-        if serve.max_slots > fit:
+        split = SlotSplit.over(mesh, rules, serve.max_slots)
+        if split.local_slots > fit:
             raise MemoryFitError(
                 f"serve.max_slots={serve.max_slots:,} needs "
-                f"{format_bytes(serve.max_slots * per_slot)} of KV cache per device "
-                f"({format_bytes(per_slot)} per slot) beside {format_bytes(weights)} of weights, "
-                f"more than fits in serve.memory_fraction={serve.memory_fraction:g} of "
-                f"{format_bytes(memory)} ({where}): at most {fit:,} slots fit; set "
-                f"serve.max_slots={fit} or null (as many as fit), or lower "
+                f"{format_bytes(split.local_slots * per_slot)} of KV cache per device "
+                f"(slots: {split.describe()}; {format_bytes(per_slot)} per slot) beside {format_bytes(weights)} of "
+                f"weights, more than fits in serve.memory_fraction="
+                f"{serve.memory_fraction:g} of {format_bytes(memory)} ({where}): at most "
+                f"{fit * devices:,} slots fit ({fit:,} per device over {devices} devices); set "
+                f"serve.max_slots={fit * devices} or null (as many as fit), or lower "
                 f"serve.max_prefill_length / serve.max_new_tokens", None)
         return serve.max_slots
     slots = serving.slots_that_fit(model_config, memory_bytes=memory, weight_bytes=weights,
-                                   fraction=serve.memory_fraction, **kw)
+                                   fraction=serve.memory_fraction, **kw) * devices
     if slots < 1:
         raise MemoryFitError(
             f"no decode slot fits: {format_bytes(weights)} of weights and "

@@ -21,8 +21,10 @@ class ServeSection(SamplingSection):
     _section = "serve"
     host: str = "0.0.0.0"
     port: int = 9000  # 0: any free port (printed)
-    # Decode slots (requests decoded at once); null: as many as fit in memory_fraction of a
-    # device beside the weights (jaxrl.rollout.serving.slots_that_fit, at most 512).
+    # Decode slots (requests decoded at once), split over the rollout layout's batch axes
+    # (jaxrl.rollout.slots_on_mesh); null: as many as fit in memory_fraction of a device
+    # beside the weights (jaxrl.rollout.serving.slots_that_fit, at most 512) times those
+    # axes' devices.
     max_slots: int | None = None
     memory_fraction: float = 0.9
     max_prefill_length: int = 512  # the longest prompt, in tokens; longer ones are refused

@@ -292,12 +292,7 @@ def rollout_on_mesh(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_P
     d = math.prod(mesh.shape[a] for a in axes)
     rows = P(axes)
     prompts = rows if num_prompts % d == 0 else P()
-    home_B = jnp.arange(b, dtype=jnp.int32) // (b // num_prompts)
-    if num_prompts % d == 0:  # each device's rows are its own prompts' rows
-        home_B = home_B % (num_prompts // d)
-    local = dataclasses.replace(
-        config, max_slots=None if config.max_slots is None else max(2, -(-config.max_slots // d)),
-        row_pages=None if config.row_pages is None else -(-config.row_pages // d))
+    local, home_B = device_share(config, b, num_prompts, d)
     graphdef, weights = nnx.split(model)
 
     def per_device(weights, ids_PxL, mask_PxL, keys_BxK, limit_B, home_B):
@@ -314,6 +309,20 @@ def rollout_on_mesh(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_P
         weights, prompt_ids_PxL, prompt_mask_PxL, jax.random.key_data(row_keys_B), limit_B,
         home_B)
     return out, jnp.max(steps_D), jnp.sum(slot_steps_D)
+
+
+def device_share(config: EngineConfig, num_rows: int, num_prompts: int, d: int
+                 ) -> tuple[EngineConfig, jax.Array]:
+    """(one device's engine settings, home_B) when `d` devices split the rows: its share of
+    the slots (at least 2) and row pages, and each row's home among its device's prompts
+    (the prompts go with their rows when `d` divides them; otherwise each device has all)."""
+    home_B = jnp.arange(num_rows, dtype=jnp.int32) // (num_rows // num_prompts)
+    if num_prompts % d == 0:  # each device's rows are its own prompts' rows
+        home_B = home_B % (num_prompts // d)
+    local = dataclasses.replace(
+        config, max_slots=None if config.max_slots is None else max(2, -(-config.max_slots // d)),
+        row_pages=None if config.row_pages is None else -(-config.row_pages // d))
+    return local, home_B
 
 
 def row_axes(mesh, rules, num_rows: int) -> tuple[str, ...]:

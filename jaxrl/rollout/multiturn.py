@@ -20,7 +20,12 @@ on their environment (continuous batching: no slot waits for another's tool); it
 environments' futures at every iteration, and a slot whose row finished takes the next row.
 Row r's completion token t (model tokens only are drawn) is drawn with fold_in(key_r, t),
 key_r the RL engine's row key (`decode_loop.row_keys`), so a row's tokens do not depend on
-the slot count or on the environments' timing.
+the slot count, the devices or the environments' timing.
+
+On a mesh the slots and their pages are split over the rollout rules' batch axes
+(`jaxrl.rollout.slots_on_mesh`, as a server's): each device decodes its own slots over a pool
+of its own, a row starts and takes its observations on the device of its slot only, and the
+host fills free slots one device after another. A prompt's prefill runs on every device.
 
 Episode ends: the environment says `done` (that observation is not appended; its reward is
 the row's), a turn ends on one of `eos_token_ids`, `max_turns` turns were taken, or the
@@ -45,17 +50,20 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxrl.envs.base import EnvFailure, Environment, Observation, observation_problem
 from jaxrl.models import Transformer
 from jaxrl.rollout import slots
 from jaxrl.rollout.env_calls import EnvCalls
+from jaxrl.rollout.episode_rows import MultiTurnRollout, Row, assemble
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.rollout.types import Rollout, row_keys
+from jaxrl.rollout.slots_on_mesh import SlotSplit
+from jaxrl.rollout.types import row_keys
+from jaxrl.sharding import AxisRules, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,111 +110,59 @@ class MultiTurnConfig:
                            turn_ids=tuple(dict.fromkeys(self.stop_token_ids + self.eos_token_ids)),
                            turn_tokens=self.max_turn_tokens)
 
-    def layout(self, prompt_len: int) -> PoolLayout:
-        """One prompt home per slot, and row pages for every slot's whole budget at once."""
-        return PoolLayout.plan(page_size=self.page_size, num_prompts=self.num_slots,
+    def layout(self, prompt_len: int, num_slots: int) -> PoolLayout:
+        """A pool of `num_slots` slots (one device's): one prompt home per slot, and row
+        pages for every slot's whole budget at once."""
+        return PoolLayout.plan(page_size=self.page_size, num_prompts=num_slots,
                                prompt_len=prompt_len, max_new_tokens=self.max_total_tokens,
-                               num_slots=self.num_slots)
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnRollout:
-    """B rows of a multi-turn rollout (host numpy arrays besides `rollout`).
-
-    rollout: the `Rollout` the trainer takes: completion_ids_BxC (C = max_total_tokens) =
-      turn 1 | obs 1 | turn 2 | ..., completion_mask_BxC 1 on every real token (model and
-      observation: the trainer attends over both), logp_BxC / logp_raw_BxC the sampler's
-      log-probs (as sampled / at temperature 1) on model tokens, 0 elsewhere; num_steps the
-      longest completion; decode_slot_steps the slots x decode steps run.
-    observation_mask_BxC: 1 on observation tokens (the loss mask is
-      completion_mask & ~observation_mask).
-    turn_starts_BxK, turn_ends_BxK (K = max_turns): completion columns [start, end) of each
-      turn's model tokens, -1 past num_turns_B; observation k fills [end_k, start_{k+1}),
-      a final (cut) one [end_k, its length).
-    reward_B: the environment's last reward, NaN where it gave none. truncated_B: the
-      episode ended by max_turns or the token budget, not by the environment or EOS.
-    tool_calls_B, tool_errors_B, tool_timeouts_B, tool_latency_s_B: `ToolStats` summed.
-    env_time_s: seconds in `env.step` summed over calls; env_wait_s: host seconds with no
-      slot to decode because every busy slot waited on its environment; decode_steps: the
-      decode steps run; wall_s: the whole call.
-    """
-
-    rollout: Rollout
-    observation_mask_BxC: np.ndarray
-    turn_starts_BxK: np.ndarray
-    turn_ends_BxK: np.ndarray
-    num_turns_B: np.ndarray
-    reward_B: np.ndarray
-    truncated_B: np.ndarray
-    tool_calls_B: np.ndarray
-    tool_errors_B: np.ndarray
-    tool_timeouts_B: np.ndarray
-    tool_latency_s_B: np.ndarray
-    env_time_s: float
-    env_wait_s: float
-    decode_steps: int
-    wall_s: float
-
-    @property
-    def loss_mask_BxC(self) -> np.ndarray:
-        """The policy's own tokens: completion_mask & ~observation_mask."""
-        return np.asarray(self.rollout.completion_mask_BxC) & ~self.observation_mask_BxC
+                               num_slots=num_slots)
 
 
 # The device operations, jitted once per (model graph, shapes, settings): `weights` traced.
-@functools.partial(jax.jit, static_argnums=(0,))
-def _prefill(graphdef, weights, ids_P, mask_P):
-    return slots.prefill(nnx.merge(graphdef, weights), ids_P[None], mask_P[None])
+# Each runs on the slots' devices as `split` lays them out (`jaxrl.rollout.slots_on_mesh`).
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init(model_config, split, layout):
+    return split.init(model_config, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6, 7), donate_argnums=(0,))
-def _start(state, prefix, key_K, slot, limit, layout, stops, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _prefill(graphdef, split, weights, ids_P, mask_P):
+    with split.use_rules():  # one prompt, on every device: the owner of its slot reads it
+        return slots.prefill(nnx.merge(graphdef, weights), ids_P[None], mask_P[None])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8), donate_argnums=(1,))
+def _start(split, state, prefix, key_K, slot, limit, layout, stops, sampling):
     """The slot starts a row of the prefix's prompt (its home: the slot), its first token
     drawn with fold_in(key, 0)."""
-    return slots.insert_home(state, layout, prefix, slots.one_row(prefix, key_K, limit, sampling),
-                             slot, stops)
+    return split.on_owner(lambda state, slot, prefix, key_K, limit: slots.insert_home(
+        state, layout, prefix, slots.one_row(prefix, key_K, limit, sampling), slot, stops),
+        state, slot, prefix, key_K, limit)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6), donate_argnums=(2,))
-def _step(graphdef, weights, state, layout, stops, sampling, attention):
+@functools.partial(jax.jit, static_argnums=(0, 1, 4, 5, 6, 7), donate_argnums=(3,))
+def _step(graphdef, split, weights, state, layout, stops, sampling, attention):
     """The tokens drawn before (emitted now), then one decode step of every live slot."""
-    state, sent = slots.take_pending(state)
-    state, _ = slots.generate(nnx.merge(graphdef, weights), state, layout, attention, stops,
-                              sampling)
-    return state, sent
+    def step(state, weights):
+        state, sent = slots.take_pending(state)
+        state, _ = slots.generate(nnx.merge(graphdef, weights), state, layout, attention, stops,
+                                  sampling)
+        return state, sent
+
+    return split.on_each(step, state, weights)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9), donate_argnums=(2,))
-def _extend(graphdef, weights, state, slot, ids_W, n, last, layout, stops, sampling):
-    return slots.extend(nnx.merge(graphdef, weights), state, layout, slot, ids_W, n, last,
-                        stops, sampling)[0]
+@functools.partial(jax.jit, static_argnums=(0, 1, 8, 9, 10), donate_argnums=(3,))
+def _extend(graphdef, split, weights, state, slot, ids_W, n, last, layout, stops, sampling):
+    return split.on_owner(lambda state, slot, weights, ids_W, n, last: slots.extend(
+        nnx.merge(graphdef, weights), state, layout, slot, ids_W, n, last, stops, sampling)[0],
+        state, slot, weights, ids_W, n, last)
 
 
 def jitted_ops():
     """The jitted device operations (their `_cache_size()` tells compilations)."""
-    return {"prefill": _prefill, "start": _start, "step": _step, "extend": _extend}
-
-
-class _Row:
-    """One sample's host record while it runs."""
-
-    def __init__(self):
-        self.ids: list[int] = []
-        self.is_obs: list[bool] = []
-        self.logp: list[float] = []
-        self.logp_raw: list[float] = []
-        self.starts: list[int] = [0]
-        self.ends: list[int] = []
-        self.reward = float("nan")
-        self.tools = np.zeros(4)  # calls, errors, timeouts, latency_s
-        self.truncated = False
-        self.eos = False
-
-    def add(self, token, is_obs, logp=0.0, logp_raw=0.0):
-        self.ids.append(int(token))
-        self.is_obs.append(is_obs)
-        self.logp.append(float(logp))
-        self.logp_raw.append(float(logp_raw))
+    return {"init": _init, "prefill": _prefill, "start": _start, "step": _step,
+            "extend": _extend}
 
 
 def observation_ids(obs: Observation, encode: Callable[[str], list[int]],
@@ -238,11 +194,13 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                       envs: Sequence[Environment], encode: Callable[[str], list[int]],
                       decode: Callable[[list[int]], str], key: jax.Array,
                       config: MultiTurnConfig, sampling: SamplingParams | None = None,
-                      *, num_generations: int = 1) -> MultiTurnRollout:
+                      *, num_generations: int = 1, mesh: Mesh | None = None,
+                      rules: AxisRules | None = None) -> MultiTurnRollout:
     """Runs every row's episode (see the module docstring); `envs[r]` is row r's
     environment. Prompts are left-padded, B = prompts x num_generations rows, prompt-major;
     `key` is one key (or one per prompt), split per row as the RL engine does;
-    `sampling` defaults to temperature 1, no filter."""
+    `sampling` defaults to temperature 1, no filter. On `mesh` (`rules`: the rollout rules)
+    the weights are laid out by the rules once, and the slots split over the devices."""
     began = time.perf_counter()
     sampling = SamplingParams() if sampling is None else sampling
     ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP, np.int32), np.asarray(prompt_mask_BxP, bool)
@@ -255,12 +213,15 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
         raise ValueError(f"rows {np.flatnonzero(~mask_BxP.any(axis=1)).tolist()} have an "
                          f"empty prompt")
     c, w = config.max_total_tokens, config.chunk_width
-    layout, stops = config.layout(p), config.stops
+    split = SlotSplit.over(mesh, rules, config.num_slots)
+    layout, stops = config.layout(p, split.local_slots), config.stops
     eos = set(config.eos_token_ids)
     graphdef, weights = nnx.split(model)
+    if mesh is not None:
+        weights = jax.device_put(weights, state_shardings(weights, mesh, rules))
     key_data_BxK = jax.random.key_data(row_keys(key, b // g, g))
-    state = slots.init(model.config, layout, config.num_slots)
-    rows = [_Row() for _ in range(b)]
+    state = _init(model.config, split, layout)
+    rows = [Row() for _ in range(b)]
     owner: dict[int, int] = {}            # slot -> row
     vocab_size = model.config.vocab_size
     next_row, prefix, prefix_of = 0, None, -1
@@ -299,7 +260,7 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
             piece = chunk[i:i + w]
             ids_W = np.full((w,), config.pad_token_id, np.int32)
             ids_W[:len(piece)] = piece
-            state = _extend(graphdef, weights, state, np.int32(slot), ids_W,
+            state = _extend(graphdef, split, weights, state, np.int32(slot), ids_W,
                             np.int32(len(piece)), np.bool_(i + w >= len(chunk)), layout, stops,
                             sampling)
 
@@ -339,18 +300,18 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                                  f"(data.env_timeout_s={config.env_timeout_s:g}; "
                                  f"{seconds:.1f} s so far)", row=owner[slot],
                                  turn=len(rows[owner[slot]].ends))
-            for slot in range(config.num_slots):
+            for slot in split.fill_order():
                 if slot in owner or next_row == b:
                     continue
                 if next_row // g != prefix_of:
                     prefix_of = next_row // g
-                    prefix = _prefill(graphdef, weights, ids_BxP[next_row],
+                    prefix = _prefill(graphdef, split, weights, ids_BxP[next_row],
                                       mask_BxP[next_row])
-                state = _start(state, prefix, key_data_BxK[next_row], np.int32(slot), c,
+                state = _start(split, state, prefix, key_data_BxK[next_row], np.int32(slot), c,
                                layout, stops, sampling)
                 owner[slot], next_row = next_row, next_row + 1
             if len(owner) > len(calls.waiting):  # some slot decodes (as far as the host knows)
-                state, out = _step(graphdef, weights, state, layout, stops, sampling,
+                state, out = _step(graphdef, split, weights, state, layout, stops, sampling,
                                    slots.Attention(config.attention))
                 decode_steps += 1
                 if unread is not None:
@@ -367,36 +328,5 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                 break
     finally:
         calls.close()  # a call past its limit is left on its daemon thread
-    return _assemble(rows, ids_BxP, mask_BxP, config, layout, env_time, env_wait,
+    return assemble(rows, ids_BxP, mask_BxP, config, env_time, env_wait,
                      decode_steps, time.perf_counter() - began)
-
-
-def _assemble(rows, ids_BxP, mask_BxP, config, layout, env_time, env_wait, decode_steps,
-              wall_s) -> MultiTurnRollout:
-    b, c, k = len(rows), config.max_total_tokens, config.max_turns
-    ids = np.full((b, c), config.pad_token_id, np.int32)
-    mask, obs_mask = np.zeros((b, c), bool), np.zeros((b, c), bool)
-    logp, logp_raw = np.zeros((b, c), np.float32), np.zeros((b, c), np.float32)
-    starts, ends = np.full((b, k), -1, np.int32), np.full((b, k), -1, np.int32)
-    for r, row in enumerate(rows):
-        n = len(row.ids)
-        ids[r, :n], mask[r, :n], obs_mask[r, :n] = row.ids, True, row.is_obs
-        logp[r, :n], logp_raw[r, :n] = row.logp, row.logp_raw
-        starts[r, :len(row.ends)] = row.starts[:len(row.ends)]
-        ends[r, :len(row.ends)] = row.ends
-    tools = np.stack([row.tools for row in rows]) if rows else np.zeros((0, 4))
-    lengths = mask.sum(axis=1)
-    rollout = Rollout(
-        prompt_ids_BxP=jnp.asarray(ids_BxP), prompt_mask_BxP=jnp.asarray(mask_BxP),
-        completion_ids_BxC=jnp.asarray(ids), completion_mask_BxC=jnp.asarray(mask),
-        logp_BxC=jnp.asarray(logp), logp_raw_BxC=jnp.asarray(logp_raw),
-        num_steps=jnp.asarray(int(lengths.max(initial=0)), jnp.int32),
-        decode_slot_steps=jnp.asarray(decode_steps * config.num_slots, jnp.int32))
-    return MultiTurnRollout(
-        rollout=rollout, observation_mask_BxC=obs_mask, turn_starts_BxK=starts,
-        turn_ends_BxK=ends, num_turns_B=np.array([len(r.ends) for r in rows], np.int32),
-        reward_B=np.array([r.reward for r in rows], np.float32),
-        truncated_B=np.array([r.truncated for r in rows], bool),
-        tool_calls_B=tools[:, 0].astype(np.int32), tool_errors_B=tools[:, 1].astype(np.int32),
-        tool_timeouts_B=tools[:, 2].astype(np.int32), tool_latency_s_B=tools[:, 3],
-        env_time_s=env_time, env_wait_s=env_wait, decode_steps=decode_steps, wall_s=wall_s)

@@ -8,7 +8,8 @@
     state, sent    = generate(model, state, layout, ...)   per slot: the token drawn before,
                                                            emitted now; the next one drawn
 
-Pure JAX, no JetStream: `jaxrl.serve` wraps these in JetStream's Engine. The ops are the
+Pure JAX, no JetStream: `jaxrl.serve` wraps these in JetStream's Engine, on a mesh each
+device running them on its own slots and pool (`jaxrl.rollout.slots_on_mesh`). The ops are the
 engine's (`jaxrl.rollout.slots`), the RL loop's, so a served greedy completion is the one
 `jaxrl generate` prints, and a request's tokens equal the RL engine's row with the same key.
 
@@ -35,7 +36,8 @@ from jaxrl.rollout.sampling import SamplingParams
 
 # A request after `prefill`: its prompt's keys/values and itself as a row to start.
 Request = tuple[slots.Prefix, slots.Starts]
-MAX_FIT_SLOTS = 512  # the memory fit's ceiling: beyond, a decode step's latency grows for little
+# The memory fit's ceiling per device: beyond, a decode step's latency grows for little.
+MAX_FIT_SLOTS = 512
 
 
 def pool_layout(num_slots: int, max_prefill_length: int, max_new_tokens: int,

@@ -13,7 +13,9 @@ batch: its rollout and reward inputs (the `queue` item, one entry per leaf) and,
 draw (the prompt positions the curriculum observes, the data metrics). With in-flight
 weight updates (`rollout.inflight_updates`) the batches still being generated are saved as
 they stand between two pieces (`jaxrl.rollout.inflight.Partial`: the KV pool, the slots,
-the tokens so far and the version of each) and go on from there. The prompt iterator's
+the tokens so far and the version of each) and go on from there, on a rollout mesh that
+splits their rows the same number of ways (their pieces are per device; another split is
+refused, naming both). The prompt iterator's
 state in the checkpoint is after those draws, so a resumed run draws batch n+k+1 next and
 trains n+1..n+k on the very rollouts the interrupted run would have: its metrics equal the
 uninterrupted run's, timings aside (tested after SIGKILL).
@@ -26,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.config import ConfigError
+from jaxrl.rollout.inflight import split_ways
 from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.step.asynchronous import AsyncStep, Produced
 
@@ -47,7 +51,8 @@ def queue_checkpoint(step: AsyncStep, drawn: Drawn) -> tuple[dict[str, Any], dic
     meta = {"pending": [
         {"step": p.step, "version": p.version, "made": p.made,
          "positions": np.asarray(drawn[p.step][0]).tolist(),
-         "data_metrics": {k: float(v) for k, v in drawn[p.step][1].items()}}
+         "data_metrics": {k: float(v) for k, v in drawn[p.step][1].items()},
+         **({} if p.made else {"split_ways": split_ways(p.partial[0])})}
         for p in pending]}
     return arrays, meta
 
@@ -73,6 +78,16 @@ def restore_queue(checkpoints: Checkpoints, at: int, entries: list[dict[str, Any
     if missing:
         raise ValueError(f"checkpoint {at} holds batches in flight (generated with "
                          f"rollout.inflight_updates=true); resume it with that setting")
+    if "partial" in abstract:
+        ways = split_ways(abstract["partial"][0])
+        # Checkpoints from before the pieces were split hold one piece.
+        saved = {int(e.get("split_ways", 1)) for e in entries if kind(e) == "partial"}
+        if saved - {ways}:
+            raise ConfigError(
+                f"checkpoint {at} holds batches in flight split {saved.pop()} way(s) over the "
+                f"rollout devices (the rollout layout's batch axes), this run's rollout "
+                f"splits them {ways} way(s); resume it on the devices and layout it ran on "
+                f"(a checkpoint of an older jaxrl holds them in one piece)")
     target = {f"step_{e['step']}": _entry(abstract[kind(e)]) for e in entries}
     arrays, _ = checkpoints.restore_queue(at, target)
     pending = []

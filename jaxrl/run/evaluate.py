@@ -145,7 +145,8 @@ class Evaluator:
     def _multiturn(self, params, prompts_B, rows_B, keys_B) -> Rollout:
         model = nnx.merge(self.sampler.graphdef, params)
         return run_episodes(model, self._episodes, prompts_B, rows_B, keys_B,
-                            self.cfg.sampling_params(), self.cfg.num_samples)[1]
+                            self.cfg.sampling_params(), self.cfg.num_samples,
+                            mesh=self.sampler.mesh, rules=self.sampler.rules)[1]
 
     @property
     def num_prompts(self) -> int:

@@ -7,8 +7,12 @@
 
 Every method is one compiled program (prefill: one per prompt bucket), run on the mesh of
 `sharding.layout` under the rollout rules, with the policy cast to its compute dtype once at
-load (`place`). The KV pool and the slots are replicated over the mesh: more devices shard
-the weights (tensor parallelism), not the slots. `load_params` reads an HF directory or a
+load (`place`). The slots and their KV pages are split over the rollout layout's batch axes
+(data x fsdp; `jaxrl.rollout.slots_on_mesh`): each device holds its own slots over a pool of
+its own, `insert` writes on the device that holds the slot, `generate` decodes every
+device's slots on its own pool with no collective over those axes (over `tensor`, the
+model's own); a request's prefill runs on every device. When the batch axes do not divide
+`num_slots`, one pool is replicated over them. `load_params` reads an HF directory or a
 run's checkpoint. The prefill and generate engines of the server are this one object on
 the same devices (JetStream's interleaved mode): nothing moves between them, so the
 prefix's destination sharding is where prefill left it.
@@ -36,6 +40,7 @@ from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import serving, slots
 from jaxrl.rollout.engine import to_compute_dtype
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.slots_on_mesh import SlotSplit
 from jaxrl.run.run_dir import is_run_dir
 from jaxrl.run.saved_policy import load_run_policy
 from jaxrl.serve.jetstream import engine_api, tokenizer_pb2
@@ -71,11 +76,6 @@ class EngineSpec:
     compute_dtype: str = "float32"
     seed: int = 0
 
-    @property
-    def layout(self):
-        return serving.pool_layout(self.num_slots, self.max_prefill_length, self.max_new_tokens,
-                                   self.page_size)
-
 
 class JetStreamEngine(engine_api.Engine):
     """JetStream's Engine over `jaxrl.rollout.serving` (module docstring)."""
@@ -85,24 +85,30 @@ class JetStreamEngine(engine_api.Engine):
         self.graphdef, self.spec, self._mesh, self.rules = graphdef, spec, mesh, rules
         self.model_config = nnx.merge(graphdef, params).config
         self._params = place(params, self.model_config.compute_dtype, mesh, rules)
-        layout = spec.layout
+        self.split = SlotSplit.over(mesh, rules, spec.num_slots)
+        # One device's pool: its own slots' homes and row pages.
+        self.layout = layout = serving.pool_layout(self.split.local_slots,
+                                                   spec.max_prefill_length,
+                                                   spec.max_new_tokens, spec.page_size)
         self.attention = slots.Attention(resolve_impl(
-            spec.attention, self.model_config, num_slots=spec.num_slots,
+            spec.attention, self.model_config, num_slots=self.split.local_slots,
             num_pages=layout.num_pages, page_size=layout.page_size,
             table_width=layout.table_width))
         self._stops = slots.Stops(row_ids=tuple(spec.stop_token_ids))
         self._key = jax.random.key(spec.seed)
         self._requests = itertools.count()
         self._lock = threading.Lock()
-        # The pool and the slots live on every device of the mesh (replicated; the weights
-        # are laid out by the rollout rules), so each call's outputs stay where its donated
-        # inputs were and no call moves the pool.
+        # Every call leaves the state in the split's one layout, so each call's outputs stay
+        # where its donated inputs were and no call moves the pool; a prefix is on every
+        # device, and the tokens generate emits stay on the devices of their slots.
+        state = self.split.shardings(jax.eval_shape(self._init_traced))
         everywhere = NamedSharding(mesh, P())
+        by_slot = NamedSharding(mesh, P(self.split.axes or None))
         self._prefill = jax.jit(self._prefill_traced, out_shardings=everywhere)
-        self._insert = jax.jit(self._insert_traced, donate_argnums=1, out_shardings=everywhere)
+        self._insert = jax.jit(self._insert_traced, donate_argnums=1, out_shardings=state)
         self._generate = jax.jit(self._generate_traced, donate_argnums=1,
-                                 out_shardings=everywhere)
-        self._init = jax.jit(self._init_traced, out_shardings=everywhere)
+                                 out_shardings=(state, by_slot))
+        self._init = jax.jit(self._init_traced, out_shardings=state)
 
     # -- parameters ------------------------------------------------------------------------
 
@@ -159,20 +165,21 @@ class JetStreamEngine(engine_api.Engine):
                                    self.spec.max_new_tokens)
 
     def _insert_traced(self, prefix, state, slot):
-        with use_rules(self._mesh, self.rules):
-            return serving.insert(state, prefix, slot, self.spec.layout, self._stops)
+        return self.split.on_owner(
+            lambda state, slot, prefix: serving.insert(state, prefix, slot, self.layout,
+                                                       self._stops), state, slot, prefix)
 
     def _generate_traced(self, params, state):
-        with use_rules(self._mesh, self.rules):
-            state, sent = serving.generate(self._model(params), state, self.spec.layout,
-                                           self._stops, self.spec.sampling, self.attention)
+        state, sent = self.split.on_each(
+            lambda state, params: serving.generate(self._model(params), state, self.layout,
+                                                   self._stops, self.spec.sampling,
+                                                   self.attention), state, params)
         data_Sx3 = jnp.stack([sent.token_S, sent.valid_S.astype(jnp.int32), sent.index_S + 1],
                              axis=1)
         return state, data_Sx3
 
     def _init_traced(self):
-        with use_rules(self._mesh, self.rules):
-            return slots.init(self.model_config, self.spec.layout, self.spec.num_slots)
+        return self.split.init(self.model_config, self.layout)
 
     # -- what the orchestrator asks ----------------------------------------------------------
 

@@ -40,11 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxrl.envs.base import EnvFactory, EnvFailure, Environment
 from jaxrl.rl import RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
-from jaxrl.rollout.multiturn import MultiTurnConfig, MultiTurnRollout, rollout_multiturn
+from jaxrl.rollout.episode_rows import MultiTurnRollout
+from jaxrl.rollout.multiturn import MultiTurnConfig, rollout_multiturn
+from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import Step, StepOutput, score_host_rows
 from jaxrl.step.phases import reward_inputs
 
@@ -123,7 +126,8 @@ class MultiTurnStep(Step):
         # waiting here keeps that wait out of time/rollout_s.
         state = jax.block_until_ready(state)
         out, rollout = run_episodes(nnx.merge(self.graphdef, state).model, e, prompts,
-                                    rows_P, key, self.sampler.config.sampling, g)
+                                    rows_P, key, self.sampler.config.sampling, g,
+                                    mesh=self.sampler.mesh, rules=self.sampler.rules)
         self.last_rollout = out
         inputs = reward_inputs(rollout, fields_P, rows_P, g)
         if self.env_rewards:  # per sample already: not repeated per prompt
@@ -157,10 +161,12 @@ class MultiTurnStep(Step):
 
 
 def run_episodes(model, episodes: Episodes, prompts: Prompts, rows_P, key: jax.Array,
-                 sampling, group_size: int) -> tuple[MultiTurnRollout, Rollout]:
+                 sampling, group_size: int, *, mesh: Mesh | None = None,
+                 rules: AxisRules | None = None) -> tuple[MultiTurnRollout, Rollout]:
     """G episodes of each prompt, each with the environment of its dataset row: the host
     loop's whole result and the rollout as the train program takes it (training and
-    evaluation both run episodes through here)."""
+    evaluation both run episodes through here); on `mesh` (`rules`: the rollout rules) the
+    slots split over its devices."""
     e, g = episodes, group_size
     dataset_rows = np.repeat(np.asarray(rows_P), g)
     envs = [make_environment(e.make_env, e.rows, int(r), i, e.spec)
@@ -168,7 +174,7 @@ def run_episodes(model, episodes: Episodes, prompts: Prompts, rows_P, key: jax.A
     ids_BxP, mask_BxP = (np.repeat(np.asarray(x), g, axis=0) for x in prompts)
     try:
         out = rollout_multiturn(model, ids_BxP, mask_BxP, envs, e.encode, e.decode, key,
-                                e.config, sampling, num_generations=g)
+                                e.config, sampling, num_generations=g, mesh=mesh, rules=rules)
     except EnvFailure as failure:
         raise failure.at(e.spec, int(dataset_rows[failure.row])) from failure.__cause__
     r = out.rollout

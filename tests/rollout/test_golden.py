@@ -4,7 +4,8 @@ The RL engine's rows (temperature 1, fixed keys; continuous and static batching,
 without tail halving), the serving engine's requests (greedy and sampled, two slots, as a
 server drives them) and multi-turn episodes (an environment that echoes the turn) were
 recorded from the three engines of commit 4dca018 into `golden_engines.json`; the engine
-that replaces them must give the same tokens, token for token, and the same log-probs.
+that replaces them must give the same tokens, token for token, and the same log-probs, on
+one device and with the slots split over 8 devices.
 
     python -m tests.rollout.test_golden --record     rewrite the file (only on purpose)
 """
@@ -73,35 +74,77 @@ def rl_rows(model, case):
                                                                    strict=True)]}
 
 
-def served(model, temperature):
-    """Every prompt as a server drives the engine: a request takes the first free slot."""
+def served(model, temperature, layout=None, num_slots=2):
+    """Every prompt as a server drives the engine: a request takes the first free slot (on
+    the mesh of sharding `layout`, the slots split over its devices as `jaxrl serve` splits
+    them)."""
     from jaxrl.rollout import serving, slots
     from jaxrl.rollout.types import row_keys
 
+    split, graphdef, weights = _on_mesh(model, layout, num_slots)
     sampling = SamplingParams(temperature=temperature)
-    layout = serving.pool_layout(2, max_prefill_length=8, max_new_tokens=9, page_size=4)
+    pool = serving.pool_layout(split.local_slots, max_prefill_length=8, max_new_tokens=9,
+                               page_size=4)
     stops = slots.Stops(row_ids=(STOP,))
     keys = row_keys(jax.random.key(3), len(PROMPTS), 1)
-    prefill = jax.jit(serving.prefill, static_argnums=(4, 5))
-    insert = jax.jit(serving.insert, static_argnums=(3, 4))
-    generate = jax.jit(serving.generate, static_argnums=(2, 3, 4, 5))
-    state = slots.init(model.config, layout, 2)
+
+    @jax.jit
+    def prefill(weights, ids_L, n, key):
+        with split.use_rules():
+            return serving.prefill(nnx.merge(graphdef, weights), ids_L, n, key, sampling, 9)
+
+    @jax.jit
+    def insert(state, prefix, slot):
+        return split.on_owner(lambda state, slot, prefix: serving.insert(
+            state, prefix, slot, pool, stops), state, slot, prefix)
+
+    @jax.jit
+    def generate(weights, state):
+        return split.on_each(lambda state, weights: serving.generate(
+            nnx.merge(graphdef, weights), state, pool, stops, sampling, slots.Attention()),
+            state, weights)
+
+    state = jax.jit(lambda: split.init(model.config, pool))()
+    assert state.row_S.shape == (num_slots,)  # every device's slots, side by side
     pending, owner, outputs = list(range(len(PROMPTS))), {}, [[] for _ in PROMPTS]
     while pending or owner:
-        for slot in range(2):
+        for slot in split.fill_order():
             if slot not in owner and pending:
                 i = pending.pop(0)
                 ids_L = np.zeros((8,), np.int32)
                 ids_L[:len(PROMPTS[i])] = PROMPTS[i]
-                prefix = prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling, 9)
-                state, owner[slot] = insert(state, prefix, slot, layout, stops), i
-        state, out = generate(model, state, layout, stops, sampling, slots.Attention())
+                prefix = prefill(weights, ids_L, len(PROMPTS[i]), keys[i])
+                state, owner[slot] = insert(state, prefix, slot), i
+        state, out = generate(weights, state)
         for slot in list(owner):
             if bool(out.valid_S[slot]):
                 outputs[owner[slot]].append(int(out.token_S[slot]))
             else:
                 del owner[slot]
     return outputs
+
+
+def _on_mesh(model, layout, num_slots):
+    """(split, graphdef, weights): the slots' split on the mesh of sharding preset `layout`
+    (None: one device) and the weights laid out by its rollout rules."""
+    from jaxrl.rollout.slots_on_mesh import SlotSplit
+    from jaxrl.sharding import state_shardings
+
+    graphdef, weights = nnx.split(model)
+    mesh, rules = _mesh(layout)
+    if mesh is not None:
+        weights = jax.device_put(weights, state_shardings(weights, mesh, rules))
+    return SlotSplit.over(mesh, rules, num_slots), graphdef, weights
+
+
+def _mesh(layout):
+    """(mesh, rollout rules) of sharding preset `layout` on the 8 devices; (None, None)."""
+    from jaxrl.sharding import make_mesh, resolve_layout
+
+    if layout is None:
+        return None, None
+    preset = resolve_layout(layout)
+    return make_mesh(preset), preset.rollout_rules
 
 
 class EchoEnv:
@@ -118,20 +161,22 @@ class EchoEnv:
         return Observation(text=" ".join(map(str, [*last, 40])))
 
 
-def episodes(model):
-    """4 prompts x 2 samples, 3 slots, temperature 1, turns end on STOP or 4 tokens."""
+def episodes(model, layout=None, num_slots=3):
+    """4 prompts x 2 samples, 3 slots, temperature 1, turns end on STOP or 4 tokens (on the
+    mesh of sharding `layout`, the slots split over its devices)."""
     from jaxrl.rollout.multiturn import MultiTurnConfig, rollout_multiturn
 
     prompts = PROMPTS[:4]
     ids, mask = _left_padded(prompts)
     ids, mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
-    config = MultiTurnConfig(max_turns=3, max_total_tokens=20, max_turn_tokens=4, num_slots=3,
-                             page_size=4, stop_token_ids=(STOP,), eos_token_ids=(EOS,),
-                             chunk_width=8)
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=20, max_turn_tokens=4,
+                             num_slots=num_slots, page_size=4, stop_token_ids=(STOP,),
+                             eos_token_ids=(EOS,), chunk_width=8)
+    mesh, rules = _mesh(layout)
     out = rollout_multiturn(model, ids, mask, [EchoEnv() for _ in range(8)],
                             lambda text: [int(t) for t in text.split()],
                             lambda ids: " ".join(map(str, ids)), jax.random.key(11), config,
-                            num_generations=2)
+                            num_generations=2, mesh=mesh, rules=rules)
     r = out.rollout
     mask_BxC = np.asarray(r.completion_mask_BxC)
     return {"tokens": [np.asarray(x)[m].tolist() for x, m in zip(r.completion_ids_BxC,
@@ -191,9 +236,31 @@ def test_served_requests_are_the_recorded_ones(family_model, golden, temperature
     assert served(model, temperature) == want
 
 
-def test_episodes_are_the_recorded_ones(family_model, golden):
+# On 8 devices: the slots split over data x fsdp, 2 per device (fsdp: 8 ways; dp_fsdp_tp:
+# 2 x 2 ways, KV heads and the weights over tensor = 2), each device decoding its own.
+MESH_SLOTS = {"fsdp": 16, "dp_fsdp_tp": 8}
+
+
+@pytest.mark.parametrize("layout, temperature", [("fsdp", 0.0), ("dp_fsdp_tp", 1.0)])
+def test_served_requests_on_a_mesh_are_the_recorded_ones(family_model, golden, layout,
+                                                         temperature):
     family, model = family_model
-    got, want = episodes(model), golden[family]["episodes"]
+    want = golden[family]["served"]["greedy" if temperature == 0.0 else "sampled"]
+    split = _on_mesh(model, layout, MESH_SLOTS[layout])[0]
+    assert split.devices == MESH_SLOTS[layout] // 2, split.describe()
+    assert served(model, temperature, layout, MESH_SLOTS[layout]) == want
+
+
+@pytest.mark.parametrize("layout", [None, "dp_fsdp_tp"])
+def test_episodes_are_the_recorded_ones(family_model, golden, layout):
+    """On one device, and on the (2, 2, 2) mesh with the slots split 4 ways."""
+    family, model = family_model
+    if layout is None:
+        got = episodes(model)
+    else:
+        assert _on_mesh(model, layout, MESH_SLOTS[layout])[0].devices == 4
+        got = episodes(model, layout, MESH_SLOTS[layout])
+    want = golden[family]["episodes"]
     for name in ("observation", "turn_starts", "turn_ends", "reward"):
         assert got[name] == want[name], f"{family}: {name} differ"
     _same_rows(got, want, f"{family} episodes")

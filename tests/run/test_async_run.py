@@ -235,3 +235,23 @@ def test_sigterm_while_the_queue_fills_stops_after_the_first_step(tmp_path):
     assert "SIGTERM: stopped after step 1 with a checkpoint" in " ".join(err.split()), err
     assert Checkpoints(tmp_path / "r").steps() == [1]
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0]
+
+
+def test_batches_in_flight_split_otherwise_are_refused_naming_both_splits():
+    """A batch in flight is saved as the rollout devices' pieces: a rollout that splits its
+    rows another number of ways cannot take it (here a checkpoint of an older jaxrl, one
+    piece, and a rollout of 4 ways), refused before any array is read."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl.run.async_queue import restore_queue
+
+    steps = jax.ShapeDtypeStruct((4,), jnp.int32)  # `Partial.progress.steps`: one per device
+    partial = types.SimpleNamespace(progress=types.SimpleNamespace(steps=steps))
+    entries = [{"step": 6, "version": 4, "made": False, "positions": [], "data_metrics": {}}]
+    with pytest.raises(ConfigError, match=re.escape(
+            "checkpoint 5 holds batches in flight split 1 way(s) over the rollout devices (the "
+            "rollout layout's batch axes), this run's rollout splits them 4 way(s)")):
+        restore_queue(None, 5, entries, {"made": None, "partial": (partial, None, None)})

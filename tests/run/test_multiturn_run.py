@@ -26,8 +26,12 @@ TURN_METRICS = ("turns/mean", "tool/calls_per_sample", "tool/errors", "tool/time
 
 
 def test_tool_task_runs_episodes_and_evaluates_them(tmp_path, capsys):
+    """On the (2, 2, 2) mesh (data x fsdp x tensor): the episodes' 16 slots split over
+    data x fsdp, 4 per device (that they are one device's episodes:
+    tests/step/test_multiturn_step.py)."""
     code = main(["train", TOOL, f"train.run_dir={tmp_path}", "train.max_steps=2",
-                 "eval.num_prompts=6", "eval.batch_size=4", *SMALL])
+                 "eval.num_prompts=6", "eval.batch_size=4", "sharding.layout=dp_fsdp_tp",
+                 *SMALL])
     assert code == 0
     out = capsys.readouterr()
     assert "algo.mode" not in out.out + out.err  # the config is split already: no switch note

@@ -1,5 +1,6 @@
-"""`jaxrl serve` as a real process: it serves a run's checkpoint (--step), prints its address,
-and on SIGTERM finishes every request in flight (queued ones too) and exits 0."""
+"""`jaxrl serve` as a real process on the 8 devices: it serves a run's checkpoint (--step)
+with its slots split over the devices, prints its address, and on SIGTERM finishes every
+request in flight (queued ones too) and exits 0."""
 
 import json
 import os
@@ -47,11 +48,15 @@ def test_sigterm_drains_requests_in_flight_and_exits_0(trained_run):
     process, lines, ready = _start([
         f"train.run_dir={trained_run}", "--step", "1", f"serve.port={port}",
         "serve.host=localhost", "serve.max_slots=4", "serve.temperature=0",
+        "sharding.layout=dp_fsdp_tp",
         "rollout.ignore_eos=true", f"serve.max_new_tokens={MAX_TOKENS}",
         "serve.max_prefill_length=32"])
     try:
         assert ready.wait(240), "".join(lines)
         assert any(f"serving on localhost:{port}" in line for line in lines)
+        # The 4 slots split over the 8 devices' data x fsdp (2 x 2), one per device.
+        assert any("4 slots (1 per device over data x fsdp (4 devices))" in line
+                   for line in lines), "".join(lines)
         channel = grpc.insecure_channel(f"localhost:{port}")
         stub = jetstream_pb2_grpc.OrchestratorStub(channel)
         counts, started, errors = [0] * 6, [threading.Event() for _ in range(6)], []

@@ -1,7 +1,8 @@
 """jaxrl's engine against JetStream's abstract Engine API: it is an `Engine`, defines every
 abstract method itself, and each returns JetStream's types with the shapes the orchestrator
-reads; driven as the orchestrator drives it, it gives `jaxrl generate`'s greedy text;
-`load_params` reads an HF directory and a run's checkpoint."""
+reads; driven as the orchestrator drives it, it gives `jaxrl generate`'s greedy text, also
+with its slots split over the devices; `load_params` reads an HF directory and a run's
+checkpoint."""
 
 import jax
 import numpy as np
@@ -88,7 +89,8 @@ def _drive(engine, params, prompts, max_tokens):
             return out
         state, result = engine.generate(params, state)
         assert isinstance(result, engine_api.ResultTokens) and result.samples_per_slot == 1
-        assert result.data.shape == (SLOTS, 3) and result.data.dtype == np.int32
+        assert result.data.shape == (engine.max_concurrent_decodes, 3)
+        assert result.data.dtype == np.int32
         result = result.convert_to_numpy()
         for slot, (prompt, complete) in list(live.items()):
             data = result.get_result_at_slot(slot)
@@ -110,6 +112,24 @@ def test_driven_like_the_orchestrator_it_gives_generates_greedy_text(engine, mod
     for prompt in PROMPTS:
         assert tokenizer.decode(got[prompt]) == want[prompt][0], prompt
     assert len({tuple(v) for v in got.values()}) > 1  # prompts get different completions
+
+
+def test_on_a_mesh_each_device_serves_its_own_slots_with_the_same_text(model_dir):
+    """dp_fsdp_tp on the 8 devices: 4 slots, one per device of data x fsdp (KV heads over
+    tensor); a device holds its own slot's pages only; 8 requests over them give
+    `jaxrl generate`'s greedy text."""
+    engine = make_engine(model_dir, layout="dp_fsdp_tp", slots=4)
+    assert engine.split.describe() == "1 per device over data x fsdp (4 devices)"
+    state = engine.init_decode_state()
+    pages = state.kv_pages.shape[1]
+    assert pages == 4 * engine.layout.num_pages
+    assert state.kv_pages.sharding.shard_shape(state.kv_pages.shape)[1] == pages // 4
+    assert state.row_S.sharding.shard_shape(state.row_S.shape) == (1,)
+    got = _drive(engine, engine.load_params(), PROMPTS, NEW)
+    want = generate_greedy(model_dir, PROMPTS, NEW)
+    tokenizer = engine.build_tokenizer(engine.get_tokenizer())
+    for prompt in PROMPTS:
+        assert tokenizer.decode(got[prompt]) == want[prompt][0], prompt
 
 
 def test_prefix_and_decode_state_shapes(engine):

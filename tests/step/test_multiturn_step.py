@@ -1,6 +1,7 @@
 """The multi-turn step: observation tokens are out of the loss (their gradient is exactly
 zero), and `MultiTurnStep` runs episodes against an environment with its turn and tool
-metrics, compiling its train program once."""
+metrics, compiling its train program once; on the (2, 2, 2) mesh its episodes are one
+device's."""
 
 import dataclasses
 
@@ -131,4 +132,54 @@ def test_multiturn_step_runs_episodes_with_turn_and_tool_metrics():
         assert abs(metrics["tool/latency_s"] - 0.01) < 1e-6
         for name in ("tool/errors", "tool/timeouts", "env/time_s", "env/wait_s"):
             assert name in metrics
+    assert step.num_compilations() == 1
+
+
+def _episode_step(layout_name, devices):
+    """(step, state): the counting environment's multi-turn step on `devices` laid out by
+    the sharding preset `layout_name` (its rollout rules split the episodes' slots)."""
+    layout = load_layout(layout_name)
+    mesh = make_mesh(layout, devices)
+    ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM, mesh,
+                            layout.train_rules)
+    sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=6, num_generations=G),
+                      mesh=mesh, rules=layout.rollout_rules)
+    config = MultiTurnConfig(max_turns=3, max_total_tokens=16, max_turn_tokens=6, num_slots=8,
+                             stop_token_ids=(5,), eos_token_ids=(2,))
+    episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
+                        lambda ids: " ".join(map(str, ids)), config)
+    graphdef, state = nnx.split(ts)
+    return MultiTurnStep(ALGO, graphdef, sampler, REWARDS, optim=OPTIM, episodes=episodes,
+                         mesh=mesh, rules=layout.train_rules), state
+
+
+def test_on_the_2x2x2_mesh_the_episodes_are_one_devices_and_the_step_trains():
+    """data 2 x fsdp 2 x tensor 2: the 8 slots split over data x fsdp (2 per device), KV heads
+    and weights over tensor. The first step's episodes (the same initial weights) are the
+    single device's token for token; the step then trains, compiled once."""
+    rng = np.random.default_rng(1)
+    prompts = Prompts(jnp.asarray(rng.integers(6, CONFIG.vocab_size, (P, PROMPT_LEN)), jnp.int32),
+                      jnp.ones((P, PROMPT_LEN), jnp.int32))
+    args = (prompts, {}, jnp.arange(P, dtype=jnp.int32))
+    made = {}
+    for name, devices in (("single", jax.devices()[:1]), ("dp_fsdp_tp", jax.devices())):
+        step, state = _episode_step(name, devices)
+        step.compile(state, *args, jax.random.key(0))
+        new_state, out = step(state, *args, jax.random.key(0))
+        made[name] = step.last_rollout
+    assert dict(step.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    one, mesh = made["single"], made["dp_fsdp_tp"]
+    for name in ("completion_ids_BxC", "completion_mask_BxC"):
+        np.testing.assert_array_equal(getattr(one.rollout, name), getattr(mesh.rollout, name))
+    for name in ("observation_mask_BxC", "turn_starts_BxK", "turn_ends_BxK", "num_turns_B"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(mesh, name))
+    assert one.observation_mask_BxC.any() and len(set(one.num_turns_B.tolist())) > 1
+    for name in ("logp_BxC", "logp_raw_BxC"):
+        np.testing.assert_allclose(getattr(mesh.rollout, name), getattr(one.rollout, name),
+                                   rtol=1e-5, atol=1e-6)
+    metrics = jax.device_get(out.metrics)
+    assert np.isfinite(metrics["loss/policy"]) and metrics["grad_norm"] > 0
+    assert any(not np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(state), jax.tree.leaves(new_state), strict=True))
+    step(new_state, *args, jax.random.key(1))
     assert step.num_compilations() == 1
