@@ -27,7 +27,7 @@ the C_r useful tokens of each row count as generated. `static` / `continuous` ru
 least 2) over a pool of --page-size-token pages and per-row limits C_r: static starts a batch
 of S rows only when every slot is free, continuous refills a slot as soon as its row ends
 (and with --min-slots M, once no row waits, moves the live rows into half the slots whenever
-they fit, down to M; `auto`, the default, is the engine's default: `decode_loop.tail_min_slots`,
+they fit, down to M; `auto`, the default, is the engine's default: `slot_count.tail_min_slots`,
 `min_slots_resolved` in the JSON; `none`: never).
 
 Timed: the compiled `Sampler.generate` program (prefill + decode loop + sampling), median of
@@ -96,13 +96,9 @@ from jaxrl.models import KVCache, ModelConfig, Transformer, default_positions
 from jaxrl.models.paged_attention import chunk_slots
 from jaxrl.perf.memory import program_memory
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
-from jaxrl.rollout.decode_loop import (
-    EngineConfig,
-    max_concurrent_decodes,
-    slot_tiers,
-    tail_min_slots,
-)
+from jaxrl.rollout.decode_loop import EngineConfig
 from jaxrl.rollout.pages import PoolLayout
+from jaxrl.rollout.slot_count import max_concurrent_decodes, slot_tiers, tail_min_slots
 from jaxrl.runtime import configure_xla
 from jaxrl.sharding import create_sharded, load_layout, make_mesh, use_rules
 
@@ -239,7 +235,7 @@ def engine_schedule(limits_B: np.ndarray, prompt_len: int, slots: int, batching:
     order. An iteration admits queued rows into free slots (static: only when all are free),
     then every live slot decodes one token; a row ends when it has C_r tokens, its slot free
     the next iteration. With `min_slots`, once the queue is empty the slot count halves
-    whenever the live rows fit (`decode_loop.slot_tiers`)."""
+    whenever the live rows fit (`slot_count.slot_tiers`)."""
     queue = [int(c) for c in limits_B if c > 1]
     tiers = slot_tiers(slots, min_slots)
     limit_S, t_S = np.zeros(slots, int), np.zeros(slots, int)

@@ -56,8 +56,8 @@ class RolloutSection(SamplingSection):
     # Continuous batching only: once no row waits, the live rows move into half as many slots
     # whenever they fit, down to min_slots (each halving compiles one more decode loop), so a
     # long tail of rows stops paying for free slots. null: the slot count never changes;
-    # auto: down to max(2, slots / 16) when rows may run 32 tokens or more, else never
-    # (`decode_loop.tail_min_slots`; in-flight pieces keep their slots).
+    # auto: down to max(2, slots / 32) when rows may run 32 tokens or more, else never
+    # (`slot_count.tail_min_slots`; in-flight pieces keep their slots).
     min_slots: int | str | None = "auto"
     # auto: the TPU kernel (Pallas ragged_paged_attention) on TPU when it takes the shapes,
     # else the XLA path (blocks of pages up to the longest live row)

@@ -37,6 +37,7 @@ from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import slots
 from jaxrl.rollout.pages import PoolLayout, own_pages
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.slot_count import max_concurrent_decodes, slot_tiers, tail_min_slots
 from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
 from jaxrl.sharding import constrain, use_rules
 from jaxrl.sharding.rules import active_rules
@@ -55,7 +56,7 @@ class EngineConfig:
     pages_per_block: int = 8
     row_pages: int | None = None  # None: every slot's worst case fits at once
     # The tail halving (`rollout`): halve down to this; None: the slot count stays; "auto":
-    # `tail_min_slots` chooses from the call's shapes.
+    # `slot_count.tail_min_slots` chooses from the call's shapes.
     min_slots: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self):
@@ -378,39 +379,3 @@ def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask
 def engine_config(config: SamplerConfig, num_rows: int) -> EngineConfig:
     """The sampler's engine settings (none given: every row in its own slot)."""
     return config.engine or EngineConfig(max_slots=num_rows)
-
-
-def max_concurrent_decodes(config: EngineConfig, num_rows: int) -> int:
-    """The decode slots of a rollout of `num_rows` rows: `max_slots` (None: every row), at
-    most the rows, at least 2: with one row XLA's dots take their matrix-vector path, which
-    rounds differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers
-    do not depend on the slot count, and a spare slot just stays free."""
-    return max(2, num_rows if config.max_slots is None else min(config.max_slots, num_rows))
-
-
-TAIL_TOKENS = 32  # `tail_min_slots`: rows shorter than this leave no tail worth a halving
-
-
-def tail_min_slots(config: EngineConfig, num_slots: int, max_new_tokens: int) -> int | None:
-    """The `min_slots` a rollout of `num_slots` slots and rows up to `max_new_tokens` runs
-    with: the config's, or for "auto" down to max(2, S / 16) (at most four halvings, each a
-    compiled decode loop) when the batching is continuous and rows may run `TAIL_TOKENS`
-    tokens or more; None (no halving) otherwise: a short row leaves no tail, and a one-piece
-    halving gains nothing a compile would pay for.
-
-    Measured on CPU, 64 long-tailed rows (`benchmarks/decode.py --lengths longtail
-    --max-new-tokens 256 --batch 64`): min_slots 2 ran 2.3x static batching's rollout,
-    min_slots 4 as fast; the quickstart (4 new tokens) compiles one loop, as before."""
-    if config.min_slots != "auto":
-        return config.min_slots
-    if config.batching != "continuous" or max_new_tokens < TAIL_TOKENS:
-        return None
-    return max(2, num_slots // 16)
-
-
-def slot_tiers(num_slots: int, min_slots: int | None) -> tuple[int, ...]:
-    """The slot counts the loop runs with: `num_slots`, then halves while >= `min_slots`."""
-    tiers = [num_slots]
-    while min_slots is not None and tiers[-1] // 2 >= max(min_slots, 2):
-        tiers.append(tiers[-1] // 2)
-    return tuple(tiers)

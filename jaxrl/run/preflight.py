@@ -42,8 +42,9 @@ from jaxrl.perf import (
     utilization,
 )
 from jaxrl.rollout import Sampler
-from jaxrl.rollout.decode_loop import max_concurrent_decodes, row_shards
+from jaxrl.rollout.decode_loop import row_shards
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
+from jaxrl.rollout.slot_count import max_concurrent_decodes
 from jaxrl.run.build import Run
 from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
 from jaxrl.step.asynchronous import AsyncStep

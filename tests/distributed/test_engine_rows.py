@@ -7,7 +7,7 @@ keys, and no floating-point sum crosses devices (the weights' all-gather copies;
 counts are integers). So, unlike the training step's (tests/distributed/test_multiprocess.py),
 in-process and gloo collectives give the same bits. Each device's slot count differs (8 on
 one device, 2 on each of 8): the engine takes at least 2, so every decode step is a matrix
-product, never XLA's matrix-vector path (`decode_loop.max_concurrent_decodes`).
+product, never XLA's matrix-vector path (`slot_count.max_concurrent_decodes`).
 """
 
 import os

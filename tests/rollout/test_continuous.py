@@ -17,12 +17,11 @@ from jaxrl.rollout.decode_loop import (
     EngineConfig,
     advance,
     begin,
-    max_concurrent_decodes,
     plan,
     rollout,
-    tail_min_slots,
 )
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
+from jaxrl.rollout.slot_count import max_concurrent_decodes, tail_min_slots
 from jaxrl.rollout.types import prompt_keys
 from tests.rollout.test_sampler import (
     GROUP,
@@ -329,7 +328,8 @@ def test_a_slots_attention_is_the_same_bits_whatever_the_chunks_and_the_other_sl
 def test_auto_min_slots_halves_only_a_long_tail_of_continuous_batching():
     auto = EngineConfig()
     assert auto.min_slots == "auto"
-    assert tail_min_slots(auto, 64, 256) == 4  # S / 16: four halvings at most
+    assert tail_min_slots(auto, 64, 256) == 2
+    assert tail_min_slots(auto, 512, 256) == 16  # S / 32: five halvings at most
     assert tail_min_slots(auto, 16, 64) == 2
     assert tail_min_slots(auto, 256, 4) is None  # the quickstart: no tail to halve
     assert tail_min_slots(EngineConfig(batching="static"), 64, 256) is None
