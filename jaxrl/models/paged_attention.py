@@ -142,8 +142,8 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
 def chunk_slots(num_slots: int) -> int:
     """C: the slots the XLA path gathers a block for at once: an eighth of them, at least 8
     (each chunk is one more loop trip per layer: fewer, larger chunks where slots are few).
-    CPU, 64 slots of long-tailed rows (`benchmarks/decode.py`, static batching): 13.5 s with
-    one chunk of all 64, 11.0 s with chunks of 8; chunks of 16 were no faster."""
+    CPU, 64 slots of long-tailed rows (benchmarks/README.md, static batching, one process):
+    13.39 s with one chunk of all 64, 10.42 s with chunks of 8."""
     return min(num_slots, max(8, -(-num_slots // 8)))
 
 

@@ -29,7 +29,7 @@ def tail_min_slots(config: EngineConfig, num_slots: int, max_new_tokens: int) ->
 
     CPU, 64 long-tailed rows (`benchmarks/decode.py --lengths longtail --length-median 32
     --max-new-tokens 256 --batch 64`, one process, best of 7): halving down to 2 slots took
-    5.59 s, down to 4 6.08 s, no halving 9.8 s (as static batching)."""
+    5.59 s, down to 4 6.08 s, static batching 9.82 s; in another run no halving 10.24 s."""
     if config.min_slots != "auto":
         return config.min_slots
     if config.batching != "continuous" or max_new_tokens < TAIL_TOKENS:
