@@ -134,6 +134,13 @@ def test_a_decode_step_has_no_collective_over_the_batch_axes(layout, num_slots):
         pools = {int(n) for n in re.findall(buffer, hlo)}
         assert pool.num_pages in pools and split.devices * pool.num_pages not in pools, pools
         assert not re.search(rf"= {buffer}\S* copy\(", hlo)
+    # No collective carries keys or values: each device gathers its own kv heads' pages
+    # (indexing the split head axis made XLA all-reduce every gathered block).
+    block = rf"\[[\d,]*{pool.page_size},{c.head_dim}\]"
+    results = (re.search(rf"= (.*?) {op}(-start)?\(", line) for line in step.splitlines()
+               for op in COLLECTIVES)
+    moved = [m.group(1) for m in results if m and re.search(block, m.group(1))]
+    assert not moved, moved
     tensor = [[2 * k, 2 * k + 1] for k in range(4)]
     for hlo in (step, start):
         found = _collectives(hlo)
