@@ -141,8 +141,8 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
 
     init = (jnp.int32(0), jnp.int32(0), jnp.full((k, s, g), -jnp.inf, jnp.float32),
             jnp.zeros((k, s, g), jnp.float32), jnp.zeros((k, s, g, h), jnp.float32))
-    if num_blocks_total == 1 and c == s:  # one chunk of one block: no loop (its overhead is
-        _, _, _, l_KxSxG, acc_KxSxGxH = body(init)  # per layer)
+    if num_blocks_total == 1 and c == s:  # one chunk, one block: no loop (a per-layer cost)
+        _, _, _, l_KxSxG, acc_KxSxGxH = body(init)
     else:
         _, _, _, l_KxSxG, acc_KxSxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks,
                                                            body, init)

@@ -30,9 +30,10 @@ Collectives per decode step (`on_each`): none over the batch axes, which are man
 (each device decodes its own slots with its own copy of the weights: the shipped rollout
 rules keep the weights off those axes; rules that split a weight over them would gather it
 at every call). Over `tensor`, the model's own: heads and vocabulary split there, an
-all-reduce after attention and after the MLP per layer, the logits' reductions for
-sampling, and (XLA:CPU, measured) an all-reduce of the page blocks the paged attention
-gathers from the pool, whose kv heads are split there. `on_owner` runs `fn` under a
+all-reduce after attention and after the MLP per layer, and the logits' reductions for
+sampling; none carries keys or values (the paged attention gathers each device's own kv
+heads' pages: `paged_attention.planes`; tests/rollout/test_slots_on_mesh.py checks the
+partitioned HLO). `on_owner` runs `fn` under a
 `lax.cond` on the device's index: the other devices skip it (all devices of one tensor group
 share that index, so the model's tensor collectives inside run on all of them or none).
 """
