@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models import Transformer
+from jaxrl.rollout import slots
 from jaxrl.rollout.decode_loop import (
     InProgress,
     advance,
@@ -49,14 +50,13 @@ from jaxrl.rollout.decode_loop import (
     row_axes,
     to_rollout,
 )
-from jaxrl.rollout.slots_on_mesh import pool_spec
+from jaxrl.rollout.slots_on_mesh import leaf_name, pool_spec
 from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
 from jaxrl.sharding import AxisRules, constrain, use_rules
 from jaxrl.sharding.rules import active_rules
 
 # Name endings of arrays laid out by rows (rows, slots or prompts first).
 _ROW_SUFFIXES = ("_B", "_BxC", "_S", "_SxM", "_SxK", "_P", "_PxL")
-_KV_AXES = ("layers", None, None, "act_kv_heads", "head_dim")
 # A device's scalar counts in its progress: [D] in a split `Partial`, one entry each.
 _SCALARS = frozenset({"count", "num_queued", "next_", "steps", "slot_steps"})
 
@@ -219,8 +219,8 @@ def split_ways(partial: Partial) -> int:
 def _pieces(progress: InProgress) -> InProgress:
     """A device's progress as one piece of the split `Partial`'s: its scalar counts [1]."""
     def one(path, x):
-        if x.ndim == 0 and _name(path) not in _SCALARS:
-            raise TypeError(f"{_name(path)}: a scalar of the progress that a split Partial "
+        if x.ndim == 0 and leaf_name(path) not in _SCALARS:
+            raise TypeError(f"{leaf_name(path)}: a scalar of the progress that a split Partial "
                             f"does not know (add it to _SCALARS)")
         return x[None] if x.ndim == 0 else x
 
@@ -230,7 +230,7 @@ def _pieces(progress: InProgress) -> InProgress:
 def _own(progress: InProgress) -> InProgress:
     """A device's piece of the split progress as `decode_loop.advance` takes it."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x[0] if _name(path) in _SCALARS else x, progress)
+        lambda path, x: x[0] if leaf_name(path) in _SCALARS else x, progress)
 
 
 def _pack(progress: InProgress):
@@ -247,19 +247,15 @@ def _unpack(packed, treedef) -> InProgress:
     return progress.replace(state=progress.state.replace(kv_pages=kv_pages))
 
 
-def _name(path) -> str:
-    return getattr(path[-1], "name", "")
-
-
 def _spec(path, x, mesh: Mesh, rules: AxisRules, axes: tuple[str, ...]) -> P:
     """A leaf's spec: with `axes` (split), the progress's pieces over them (the pool's on
     its page axis, kv heads by the rules); otherwise rows over `batch`, the pool by its kv
     heads; the rest replicated."""
-    name = _name(path)
+    name = leaf_name(path)
     if axes and getattr(path[0], "name", "") == "progress":
         return pool_spec(mesh, rules, axes, x.shape) if name == "kv_pages" else P(axes)
     if name == "kv_pages":
-        return rules.spec(_KV_AXES, x.shape, mesh)
+        return rules.spec(slots.KV_AXES, x.shape, mesh)
     if name.endswith(_ROW_SUFFIXES) and x.ndim:
         return rules.spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)
     return P()

@@ -52,6 +52,9 @@ from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, tak
 from jaxrl.rollout.sampling import SamplingParams, sample_rows
 from jaxrl.sharding import constrain
 
+# The pool's logical axes: its KV heads split as the model's attention reads them.
+KV_AXES = ("layers", None, None, "act_kv_heads", "head_dim")
+
 
 @dataclasses.dataclass(frozen=True)
 class Stops:
@@ -168,8 +171,7 @@ def init(model_config, layout: PoolLayout, num_slots: int) -> SlotState:
     ints = [jnp.zeros((s,), jnp.int32) for _ in range(5)]
     key_data = jax.random.key_data(jax.random.key(0))
     # KV heads split over `tensor` where the rules do (the model's attention reads them so).
-    kv_pages = constrain(jnp.zeros(shape, c.compute_dtype),
-                         ("layers", None, None, "act_kv_heads", "head_dim"))
+    kv_pages = constrain(jnp.zeros(shape, c.compute_dtype), KV_AXES)
     return SlotState(
         kv_pages=kv_pages, free=FreePages.full(layout),
         page_table_SxM=jnp.full((s, layout.table_width), -1, jnp.int32),

@@ -55,8 +55,6 @@ from jaxrl.rollout.decode_loop import row_axes
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.sharding import AxisRules, use_rules
 
-_KV_AXES = ("layers", None, None, "act_kv_heads", "head_dim")
-
 
 @dataclasses.dataclass(frozen=True)
 class SlotSplit:
@@ -174,7 +172,7 @@ class SlotSplit:
         split = self.axes or None
 
         def one(path, x):
-            if _name(path) == "kv_pages":
+            if leaf_name(path) == "kv_pages":
                 return NamedSharding(self.mesh, pool_spec(self.mesh, self.rules, self.axes,
                                                           x.shape))
             return NamedSharding(self.mesh, P(split))
@@ -183,7 +181,7 @@ class SlotSplit:
 
     def _specs(self, state):
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: P(None, self.axes) if _name(path) == "kv_pages" else P(self.axes),
+            lambda path, _: P(None, self.axes) if leaf_name(path) == "kv_pages" else P(self.axes),
             state)
 
     def _shard_map(self, fn, in_specs, out_specs):
@@ -199,7 +197,7 @@ class SlotSplit:
 def pool_spec(mesh: Mesh, rules: AxisRules, axes: tuple[str, ...], shape) -> P:
     """The PartitionSpec of a pool ([layers, pages, page_size, 2 * kv_heads, head_dim]) whose
     pages are the devices' of `axes` side by side, its kv heads split by the rules."""
-    spec = [*rules.spec(_KV_AXES, shape, mesh), None, None, None, None, None][:len(shape)]
+    spec = [*rules.spec(slots.KV_AXES, shape, mesh), None, None, None, None, None][:len(shape)]
     spec[1] = axes or None
     return P(*spec)
 
@@ -209,7 +207,8 @@ def batch_devices(mesh: Mesh, rules: AxisRules) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in rules.mesh_axes("batch"))
 
 
-def _name(path) -> str:
+def leaf_name(path) -> str:
+    """The field name of a pytree leaf's path ("" for a non-field key)."""
     return getattr(path[-1], "name", "")
 
 
