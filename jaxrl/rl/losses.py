@@ -52,7 +52,17 @@ Deliberate choices:
   aggregated estimator (unscaled by beta). agg_H is entropy_aggregation: "policy" (the
   default) aggregates H like the policy term (verl); "tokens" is the mean of H over the valid
   tokens whatever the aggregation (TRL's entropy_coef: its bonus is not rescaled to the loss
-  type's normalisation).
+  type's normalisation). Under gradient accumulation "tokens" is the mean over the whole
+  minibatch (num_tokens valid tokens), so accumulation-invariant; TRL averages its
+  microbatches' means (the same when they hold equally many valid tokens). With
+  top_entropy_quantile < 1 the bonus acts on the kept tokens K_m of each call m (the
+  quantile is per call, as TRL's), and a call's share of the minibatch's bonus is its kept
+  mean weighted by its valid tokens V_m:
+
+      agg_H = sum_m (V_m / num_tokens) · (sum_{it in K_m} H_it / |K_m|)
+
+  One call: the kept mean (TRL's); M calls with equal V_m: (1/M) sum_m kept mean_m (TRL's
+  accumulation); q = 1 (|K_m| = V_m): sum_it m H / num_tokens, the token mean again.
 - Masked tokens are zeroed with `where` in every input, not multiplied by 0 at the end, so
   garbage log-probs at padding (an overflowing ratio) give neither a NaN loss nor a NaN
   gradient, and their gradient is exactly 0.
@@ -253,7 +263,8 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     num_tokens, num_seqs: the denominators of the aggregations (valid tokens; sequences with
     a valid token) over a whole batch of which this call sees one microbatch; None counts
     this call's own. With the whole batch's counts, the losses, metrics and gradients of the
-    microbatches sum to those of the batch (gradient accumulation ≡ full batch).
+    microbatches sum to those of the batch (gradient accumulation ≡ full batch), but for
+    top_entropy_quantile < 1, whose quantile is each call's own.
 
     entropy_coef: this update's coefficient of the bonus (a schedule's or the adaptive
     controller's value, may be traced), used only when cfg.entropy_bonus; None:
@@ -360,9 +371,13 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
             entropy_BxT = jnp.where(bonus_mask_BxT, entropy_BxT, 0.0)
             if cfg.entropy_aggregation == "policy":
                 per_token_BxT = per_token_BxT - coef * entropy_BxT
-            else:  # the mean over the tokens the bonus acts on, as TRL
-                denominator = num_tokens if cfg.top_entropy_quantile == 1 else \
-                    jnp.maximum(jnp.sum(bonus_mask_BxT), 1.0)
-                bonus = coef * jnp.sum(entropy_BxT) / denominator
+            else:  # the mean over the tokens the bonus acts on, as TRL (module doc)
+                bonus_sum = jnp.sum(entropy_BxT)
+                if cfg.top_entropy_quantile < 1:
+                    # This call's kept mean, weighted by its valid tokens: the calls of a
+                    # minibatch then sum to the minibatch's bonus, not M times it.
+                    bonus_sum = bonus_sum / jnp.maximum(jnp.sum(bonus_mask_BxT), 1.0) * \
+                        jnp.sum(count_B)
+                bonus = coef * bonus_sum / num_tokens
 
     return aggregate(per_token_BxT) - bonus, metrics

@@ -8,6 +8,7 @@ gradient, so a setting that jaxrl ignored could not pass.
 """
 
 import collections
+import dataclasses
 import math
 import types
 
@@ -85,15 +86,25 @@ class _TRL:
         return self.logp, self.entropy, None
 
 
+def trl_inputs(mask, rows=slice(None)):
+    """TRL's `inputs` for the rows `rows` of a batch with loss mask `mask`; num_items_in_batch
+    counts the valid tokens of the whole batch (TRL: of the generation batch)."""
+    t = torch.tensor
+    n = len(ADV[rows])
+    return {"prompt_ids": torch.zeros((n, 1), dtype=torch.long),
+            "prompt_mask": torch.ones((n, 1)),
+            "completion_ids": torch.zeros((n, T), dtype=torch.long),
+            "completion_mask": t(mask[rows]), "advantages": t(ADV[rows]),
+            "old_per_token_logps": t(OLD[rows]), "ref_per_token_logps": t(REF[rows]),
+            "num_items_in_batch": t(mask.sum())}
+
+
 def trl_loss(settings, sampler=False, tis_cap=None):
     """TRL's (loss, d loss / d logp, d loss / d entropy, metrics)."""
     logp = torch.tensor(LOGP, requires_grad=True)
     entropy = torch.tensor(ENTROPY, requires_grad=True)
     t = torch.tensor
-    inputs = {"prompt_ids": torch.zeros((B, 1), dtype=torch.long),
-              "prompt_mask": torch.ones((B, 1)), "completion_ids": torch.zeros((B, T), dtype=torch.long),
-              "completion_mask": t(MASK), "advantages": t(ADV), "old_per_token_logps": t(OLD),
-              "ref_per_token_logps": t(REF), "num_items_in_batch": t(MASK.sum())}
+    inputs = trl_inputs(MASK)
     if sampler:
         inputs["sampling_per_token_logps"] = t(SAMPLER)
     if tis_cap is not None:
@@ -253,3 +264,50 @@ def test_adaptive_entropy_coefficient_follows_trls_controller():
     np.testing.assert_allclose(coefs, trl_coefs, rtol=1e-9)
     # It moved both ways and hit both bounds.
     assert max(coefs) == 0.08 and min(coefs) == 0.01
+
+
+# Two microbatches of rows (0, 1) and (2, 3) with 8 valid tokens each.
+ACCUM_MASK = (np.arange(T)[None, :] < np.array([6, 2, 3, 5])[:, None]).astype(np.float64)
+
+
+@pytest.mark.parametrize("quantile", [0.3, 1.0])
+@pytest.mark.parametrize("num_micro", [1, 2])
+def test_tokens_entropy_bonus_under_accumulation_matches_trl(num_micro, quantile):
+    """The `tokens` bonus summed over microbatches, against TRL's accumulation of them.
+
+    TRL (GRPOTrainer.loss_is_scaled_for_ga: the Trainer neither rescales the loss nor averages
+    it: each microbatch's backward adds its gradient) divides the DAPO policy term by
+    num_items_in_batch · current_gradient_accumulation_steps / steps_per_generation, the
+    minibatch's valid tokens here (both are M), and the bonus, the mean of H over the
+    microbatch's kept tokens, by M: the minibatch's bonus is (1/M) sum_m kept mean_m. jaxrl's
+    calls, given the minibatch's num_tokens N, sum to sum_m (V_m / N) · kept mean_m, the same
+    exactly when every microbatch holds N / M valid tokens, as these two (8 each; the top-30%
+    quantile is per microbatch in both, so the kept counts, 3 each, need not match). q = 0.3
+    puts no threshold on a data point: TRL takes the quantile in float32, which there can
+    drop the token that float64 keeps.
+    """
+    rows = np.split(np.arange(B), num_micro)
+    settings = {"entropy_coef": 0.1, "top_entropy_quantile": quantile}
+    logp = torch.tensor(LOGP, requires_grad=True)
+    entropy = torch.tensor(ENTROPY, requires_grad=True)
+    want = 0.0
+    for r in rows:
+        trainer = _TRL(logp[r], entropy[r], settings | {"steps_per_generation": num_micro})
+        trainer.current_gradient_accumulation_steps = num_micro
+        loss = trainer._compute_loss(None, trl_inputs(ACCUM_MASK, r))
+        loss.backward()  # the gradients of the microbatches add up in logp.grad, entropy.grad
+        want += loss.item()
+
+    def jaxrl(lp, h, cfg):
+        return sum(policy_loss(lp[r], OLD[r], ADV[r], ACCUM_MASK[r], cfg, entropy_BxT=h[r],
+                               num_tokens=ACCUM_MASK.sum(), num_seqs=B)[0] for r in rows)
+
+    cfg = PolicyLossConfig(entropy_coef=0.1, entropy_aggregation="tokens",
+                           top_entropy_quantile=quantile)
+    got, (grad, grad_h) = jax.value_and_grad(jaxrl, argnums=(0, 1))(LOGP, ENTROPY, cfg)
+    print(f"M={num_micro} q={quantile}: TRL {want:.9f}, jaxrl {float(got):.9f}")
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(grad, logp.grad.numpy(), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(grad_h, entropy.grad.numpy(), rtol=0, atol=1e-6)
+    without = jaxrl(LOGP, ENTROPY, dataclasses.replace(cfg, entropy_coef=0.0))
+    assert abs(without - got) > 1e-2  # the bonus is what matches
