@@ -62,7 +62,7 @@ BENCH_KEYS = (
     "completion_tokens_per_step", "tokens_per_s", "step_s", "step_s_min", "generate_s",
     "train_s", "mfu", "hfu", "generate_mfu", "train_mfu", "model_flops_per_step",
     "xla_flops_per_step", "analytic_flops_per_step", "model_flops_generate",
-    "model_flops_train", "decode_steps", "decode_tokens_per_s", "decode_bound_tokens_per_s",
+    "model_flops_train", "train_flops_count", "real_token_frac", "packed_frac", "decode_steps", "decode_tokens_per_s", "decode_bound_tokens_per_s",
     "decode_roofline_frac",
     "peak_flops_per_device", "peak_source", "peak_memory_bytes", "measured_peak_memory_bytes",
     "device_memory_bytes", "memory_source", "compile_s", "count_flops_s", "flops_unknown", "profile_dir",
@@ -149,12 +149,18 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
     decode_steps = int(round(np.median([r["rollout/num_steps"] for r in records]))) - 1
     acc = pre.accounting
     model = xla = analytic = gen_flops = train_flops = None
+    packed: dict[str, float] = {}
     if acc is not None:
         run_steps = acc.decode_steps(_median(records, "rollout/decode_slot_steps"))
-        flops = acc.metrics(run_steps)
+        # A packed step's train work follows its tokens (`StepAccounting.metrics`).
+        packed = {name: _median(records, name) for name in
+                  ("train/real_token_frac", "train/run_row_frac")
+                  if records and name in records[0]}
+        flops = acc.metrics(run_steps, packed)
         model, xla, analytic = (flops["perf/model_flops"], flops["perf/xla_flops"],
                                 flops["perf/analytic_flops"])
-        gen_flops, train_flops = acc.model.generate_flops(run_steps), acc.model.train_flops()
+        gen_flops, train_flops = acc.model.generate_flops(run_steps), acc.model.train_flops(
+            packed.get("train/real_token_frac", 1.0))
 
     def util(flops, seconds):
         if flops is None or not seconds or pre.peak is None:
@@ -173,7 +179,13 @@ def _result(run: Run, pre: Preflight, records: list[dict[str, Any]],
         "generate_mfu": util(gen_flops, generate_s), "train_mfu": util(train_flops, train_s),
         "model_flops_per_step": model, "xla_flops_per_step": xla,
         "analytic_flops_per_step": analytic, "model_flops_generate": gen_flops,
-        "model_flops_train": train_flops, "decode_steps": decode_steps,
+        "model_flops_train": train_flops,
+        "train_flops_count": ("the real tokens (packed steps: the padded programs' train FLOPs "
+                              "x train/real_token_frac)") if acc is not None and packed
+        else "the padded rows",
+        "real_token_frac": _median(records, "train/real_token_frac"),
+        "packed_frac": _median(records, "train/packed_frac"),
+        "decode_steps": decode_steps,
         "decode_tokens_per_s": decode_tokens_per_s,
         "decode_bound_tokens_per_s": _decode_bound(run, pre),
         "decode_roofline_frac": _decode_roofline_frac(run, pre, decode_tokens_per_s,

@@ -76,6 +76,10 @@ class AlgoSection:
     # The trainer's forward runs each prompt once for the rows of its group that share a
     # microbatch instead of once per row (`jaxrl.step.forward.prompt_group`: same numbers).
     share_prompts: bool = True
+    # The trainer's forwards and backwards run each microbatch packed (its rows' real tokens
+    # end to end in fewer rows, `jaxrl.step.packing`) when that is fewer positions than
+    # padded: work follows the tokens. Same numbers; false: always padded.
+    packing: bool = True
     # Weight of the mixture-of-experts load-balancing loss (`jaxrl.models.moe`) added to the
     # policy loss, metric loss/router_aux; 0 (the default) skips it. transformers' default
     # `router_aux_loss_coef` is 0.001, but it only applies it with output_router_logits
@@ -118,7 +122,7 @@ class AlgoSection:
                 or not isinstance(self.router_aux_coef, (int, float))
                 or not math.isfinite(self.router_aux_coef) or self.router_aux_coef < 0):
             fail("algo", self, "router_aux_coef", "a finite number >= 0")
-        for name in ("mask_zero_std_groups", "share_prompts"):
+        for name in ("mask_zero_std_groups", "share_prompts", "packing"):
             if not isinstance(getattr(self, name), bool):
                 fail("algo", self, name, "a bool")
 

@@ -40,12 +40,24 @@ def cache_causal_mask(cache_valid_BxS: jax.Array, end: jax.Array, num_new: int,
                  jnp.arange(cache_valid_BxS.shape[1]), sliding_window)
 
 
+def segment_causal_mask(segments_BxT: jax.Array, sliding_window: int | None) -> jax.Array:
+    """mask[b, t, s] = s <= t and seg[b, s] = seg[b, t] > 0 (and t - s < window), plus the
+    diagonal: packed rows (`jaxrl.step.packing`), several sequences one after another in a
+    row, segment 0 the padding; no token attends across a segment."""
+    t = jnp.arange(segments_BxT.shape[1])
+    same_BxTxS = (segments_BxT[:, :, None] == segments_BxT[:, None, :]) & \
+        (segments_BxT > 0)[:, None, :]
+    return _mask(same_BxTxS, t, t, sliding_window)
+
+
 def _mask(valid_BxS, query_slots_T, key_slots_S, sliding_window):
     q, k = query_slots_T[:, None], key_slots_S[None, :]
     allowed_TxS = k <= q
     if sliding_window is not None:
         allowed_TxS &= q - k < sliding_window
-    mask_BxTxS = allowed_TxS[None] & valid_BxS.astype(bool)[:, None, :]
+    valid = valid_BxS.astype(bool)
+    # valid [B, S]: which keys are real; or [B, T, S] per query (`segment_causal_mask`).
+    mask_BxTxS = allowed_TxS[None] & (valid if valid.ndim == 3 else valid[:, None, :])
     return mask_BxTxS | (q == k)[None]
 
 

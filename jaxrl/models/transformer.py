@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import Attention, PagedKV, cache_causal_mask, causal_mask
+from jaxrl.models.attention import (
+    Attention,
+    PagedKV,
+    cache_causal_mask,
+    causal_mask,
+    segment_causal_mask,
+)
 from jaxrl.models.attention_kernels import PaddedRows
 from jaxrl.models.config import ModelConfig, Remat
 from jaxrl.models.dense import DENSE
@@ -191,16 +197,29 @@ class Transformer(nnx.Module):
         logits with `output_embedding()`: for losses that never materialise [B, T, V].
         With `router_stats` (MoE): (hidden, router_stats_2xX of the real tokens, summed over
         the layers)."""
-        positions = default_positions(attention_mask)
-        x_BxTxE = self.embed_tokens(input_ids)
+        return self._hidden(input_ids, default_positions(attention_mask),
+                            self._self_mask(attention_mask), attention_mask, router_stats)
+
+    def hidden_states_packed(self, ids_RxL: jax.Array, positions_RxL: jax.Array,
+                             segments_RxL: jax.Array, *, router_stats: bool = False):
+        """`hidden_states` of packed rows: each row holds several sequences one after
+        another (segment s > 0 of a row: one sequence; 0: padding), each at its own
+        `positions` and attending only within its segment (`segment_causal_mask`, XLA's
+        attention whatever `attention_impl`: the kernels take one sequence per row). The
+        sequences' hidden states are those of `hidden_states` on them one per row (to float
+        rounding); the router statistics count the tokens of segments > 0."""
+        mask_RxLxL = segment_causal_mask(segments_RxL, self.config.sliding_window)
+        return self._hidden(ids_RxL, positions_RxL, mask_RxLxL, segments_RxL > 0, router_stats)
+
+    def _hidden(self, ids_BxT, positions_BxT, mask, valid_BxT, router_stats):
+        x_BxTxE = self.embed_tokens(ids_BxT)
         if router_stats:
-            valid_BxT = self._router_valid(attention_mask)
             x_BxTxE, stats_2xX = self._run_blocks(
                 _block_forward(self.config.remat, in_scan=self.config.scan_layers,
-                               valid=valid_BxT),
-                (x_BxTxE, self._zero_stats()), positions, self._self_mask(attention_mask))
+                               valid=self._router_valid(valid_BxT)),
+                (x_BxTxE, self._zero_stats()), positions_BxT, mask)
             return self.final_norm(x_BxTxE), stats_2xX
-        x_BxTxE, _ = self._layers(x_BxTxE, positions, self._self_mask(attention_mask), None)
+        x_BxTxE, _ = self._layers(x_BxTxE, positions_BxT, mask, None)
         return self.final_norm(x_BxTxE)
 
     def _router_valid(self, attention_mask_BxT):

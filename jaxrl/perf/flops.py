@@ -87,12 +87,21 @@ class StepFlops:
     def generate_flops(self, decode_steps: float) -> float | None:
         return _sum(p.flops(decode_steps) for p in self.generate)
 
-    def train_flops(self) -> float | None:
-        return _sum(p.flops(0) for p in self.train)
+    def train_flops(self, token_scale: float = 1.0) -> float | None:
+        """The train phases' FLOPs; `token_scale` multiplies those of the phases that run the
+        model over the batch's tokens (all but the optimizer update): the share of the
+        padded program's work a packed step did (`StepAccounting.metrics`)."""
+        def scaled(p: PhaseCount) -> float | None:
+            flops = p.flops(0)
+            if flops is None or p.cost.name == "update":
+                return flops
+            return flops * token_scale
 
-    def total(self, decode_steps: float) -> float | None:
+        return _sum(scaled(p) for p in self.train)
+
+    def total(self, decode_steps: float, token_scale: float = 1.0) -> float | None:
         """FLOPs of a step whose decode loop ran `decode_steps` one-token steps."""
-        return _sum((self.generate_flops(decode_steps), self.train_flops()))
+        return _sum((self.generate_flops(decode_steps), self.train_flops(token_scale)))
 
     def unknown(self) -> list[str]:
         """'name: reason' of every phase program whose FLOPs are unknown."""

@@ -50,6 +50,7 @@ from jaxrl.step.accounting import StepAccounting, StepShapes, account_step
 from jaxrl.step.asynchronous import AsyncStep
 from jaxrl.step.clock import phase_times
 from jaxrl.step.multiturn import MultiTurnStep
+from jaxrl.step.packing import MIN_COMPLETION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Preflight:
             return out
         decode_steps = self.accounting.decode_steps(
             float(np.asarray(metrics["rollout/decode_slot_steps"])))
-        for name, flops in self.accounting.metrics(decode_steps).items():
+        for name, flops in self.accounting.metrics(decode_steps, metrics).items():
             if flops is not None:
                 out[name] = flops
         for ratio, flops_name in (("perf/mfu", "perf/model_flops"),
@@ -127,7 +128,8 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
                 run.step.graphdef, state,
                 run.step.rules.size("batch", run.mesh) if run.step.rules is not None else 1)
         count_s = time.perf_counter() - start
-        _print_flops(accounting, cfg.rollout.max_new_tokens, console)
+        _print_flops(accounting, cfg.rollout.max_new_tokens, console,
+                     packs=cfg.algo.packing and cfg.rollout.max_new_tokens >= MIN_COMPLETION)
     try:
         peak = peak_flops(device, override_tflops=cfg.perf.peak_tflops, refresh=refresh_peak)
         console.print(f"[bold]peak[/]: {peak.flops_per_s / 1e12:.3g} TFLOP/s per device "
@@ -268,13 +270,17 @@ def _check_kv_cache(run: Run, limit: int, source: str) -> None:
             f"smaller", MemoryReport((), limit, source))
 
 
-def _print_flops(accounting: StepAccounting, max_new_tokens: int, console: Console) -> None:
+def _print_flops(accounting: StepAccounting, max_new_tokens: int, console: Console, *,
+                 packs: bool = False) -> None:
     full = max_new_tokens - 1  # decode steps when no completion stops early
     model, xla, analytic = (accounting.metrics(full)[k] for k in
                             ("perf/model_flops", "perf/xla_flops", "perf/analytic_flops"))
     console.print(f"[bold]flops[/] per step (all {max_new_tokens} tokens decoded): model "
                   f"{format_flops(model)}, XLA {format_flops(xla)}, analytic "
                   f"{format_flops(analytic)}")
+    if packs:
+        console.print("  train FLOPs of a packed step (algo.packing) count its real tokens: "
+                      "the padded programs' x train/real_token_frac (XLA: x train/run_row_frac)")
     for line in accounting.model.unknown() + accounting.hardware.unknown():
         console.print(f"[yellow]flops unknown[/]: {line}")
 

@@ -55,8 +55,7 @@ from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_lay
 from jaxrl.rollout.sampler import decode_step, prefill
 from jaxrl.rollout.sampling import sample_rows
 from jaxrl.rollout.types import SamplerConfig
-from jaxrl.step.critic import completion_values
-from jaxrl.step.forward import completion_log_probs, prompt_group
+from jaxrl.step.forward import completion_log_probs, completion_values, prompt_group
 from jaxrl.step.phases import microbatch_loss
 from jaxrl.step.state import TrainState
 from jaxrl.step.value_model import Critic
@@ -93,10 +92,20 @@ class StepAccounting:
         dense sampler: B x (num_steps - 1); the engine: its slots summed over iterations)."""
         return slot_steps / self.rows
 
-    def metrics(self, decode_steps: float) -> dict[str, float | None]:
-        return {"perf/model_flops": self.model.total(decode_steps),
-                "perf/xla_flops": self.hardware.total(decode_steps),
-                "perf/analytic_flops": self.analytic.total(decode_steps)}
+    def metrics(self, decode_steps: float, step_metrics: dict[str, Any] | None = None,
+                ) -> dict[str, float | None]:
+        """perf/model_flops, perf/xla_flops, perf/analytic_flops of a step. A packed step
+        (`step_metrics` holds train/real_token_frac, `jaxrl.step.packing`) counts its train
+        phases from the padded programs scaled by the work it did: the model and analytic
+        counts by its real tokens (train/real_token_frac of rows x width), the XLA count by
+        the rows its forwards ran (train/run_row_frac); a step that ran padded counts the
+        padded programs (both fractions 1 on equal lengths)."""
+        real, run = (1.0, 1.0) if step_metrics is None else (
+            float(step_metrics.get(name, 1.0)) for name in ("train/real_token_frac",
+                                                            "train/run_row_frac"))
+        return {"perf/model_flops": self.model.total(decode_steps, real),
+                "perf/xla_flops": self.hardware.total(decode_steps, run),
+                "perf/analytic_flops": self.analytic.total(decode_steps, real)}
 
 
 def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerConfig,

@@ -29,32 +29,23 @@ from flax import nnx
 
 from jaxrl.config import AlgoSection
 from jaxrl.rl.gae import explained_variance, gae_advantages, whiten
-from jaxrl.sharding.rules import active_rules
-from jaxrl.step.forward import Batch, completion_hidden, prompt_group
-from jaxrl.step.phases import _split, _unsplit
+from jaxrl.step.forward import Batch, completion_values, microbatching, split_rows, unsplit_rows
 from jaxrl.step.state import TrainState
-from jaxrl.step.value_model import Critic
 
 
-def completion_values(critic: Critic, mb: Batch, policy: nnx.Module,
-                      prompt_group: int = 1) -> jax.Array:
-    """values_BxC of the completion's states: the critic's head on its own trunk's hidden
-    states or, a value head, on the policy's."""
-    trunk = policy if critic.trunk is None else critic.trunk
-    return critic.head(completion_hidden(trunk, mb, prompt_group)[0])
-
-
-def old_values(ts: TrainState, batch: Batch, num_micro: int, group: int) -> jax.Array:
-    """stop_gradient(values_BxC) of `ts`'s critic on `batch`, by `num_micro` microbatches."""
+def old_values(ts: TrainState, batch: Batch, num_micro: int, group: int,
+               budgets: tuple[int, ...] = ()) -> jax.Array:
+    """stop_gradient(values_BxC) of `ts`'s critic on `batch`, by `num_micro` microbatches
+    (`budgets`: their packed shapes, `jaxrl.step.packing`)."""
     graphdef, state = nnx.split(ts)
 
     def one(mb):
         # A fresh copy per traced scope: nnx rejects Variables of another trace level.
         fresh = nnx.merge(graphdef, state, copy=True)
-        return completion_values(fresh.critic, mb, fresh.model, group)
+        return completion_values(fresh.critic, mb, fresh.model, group, budgets)
 
-    parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
-    return jax.lax.stop_gradient(_unsplit(parts))
+    parts = jax.lax.map(one, jax.tree.map(lambda x: split_rows(x, num_micro), batch))
+    return jax.lax.stop_gradient(unsplit_rows(parts))
 
 
 def gae_batch(cfg: AlgoSection, ts: TrainState, batch: Batch, group_size: int = 1,
@@ -66,13 +57,10 @@ def gae_batch(cfg: AlgoSection, ts: TrainState, batch: Batch, group_size: int = 
     batch = dict(batch)
     rewards_B = batch.pop("adv_B")
     loss_mask_BxC = batch["loss_mask_BxC"]
-    c, rows = loss_mask_BxC.shape[1], loss_mask_BxC.shape[0]
+    c = loss_mask_BxC.shape[1]
     completion_mask_BxC = batch["mask_BxT"][:, -c:]
-    total_micro = rows // (cfg.microbatch_size or cfg.batch_split(rows)[0])
-    active = active_rules()
-    group = prompt_group(cfg, ts.model.config, group_size, rows, total_micro,
-                         1 if active is None else active[1].size("batch", active[0]))
-    values_BxC = old_values(ts, batch, total_micro, group)
+    total_micro, group, budgets = microbatching(cfg, ts.model.config, group_size, batch)
+    values_BxC = old_values(ts, batch, total_micro, group, budgets)
     adv_BxC, returns_BxC = gae_advantages(rewards_B, values_BxC, completion_mask_BxC,
                                           cfg.critic.gamma, cfg.critic.lam)
     if cfg.critic.whiten_advantages:

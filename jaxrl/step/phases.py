@@ -57,12 +57,17 @@ from jaxrl.rl import (
 from jaxrl.rl.gae import value_loss
 from jaxrl.rl.loss_variants import adapt_entropy_coef, applied_entropy_coef
 from jaxrl.rollout import Prompts, Rollout, Sampler
-from jaxrl.sharding.rules import active_rules
+from jaxrl.step import packing
 from jaxrl.step.forward import (
     Batch,
-    completion_hidden,
     completion_log_probs,
-    prompt_group,
+    completion_outputs,
+    completion_values,
+    log_probs,
+    microbatching,
+    packing_metrics,
+    split_rows,
+    unsplit_rows,
 )
 from jaxrl.step.router_aux import add_router_aux, uses_router_aux
 from jaxrl.step.state import TrainState
@@ -133,16 +138,6 @@ def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) ->
     }
 
 
-def _split(x: jax.Array, n: int) -> jax.Array:
-    """[B, ...] -> [n, B / n, ...], slice i holding rows i, i + n, i + 2n, ... (strided)."""
-    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-
-
-def _unsplit(x: jax.Array) -> jax.Array:
-    """The inverse of `_split`."""
-    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
-
-
 def _scan(f, init, xs, length=None):
     """`jax.lax.scan`, or for one step f called as it is (outputs with the scan's leading
     axis of 1): XLA keeps a one-trip loop, whose carry it copies in (the optimizer state's
@@ -156,15 +151,16 @@ def _scan(f, init, xs, length=None):
 
 def _forward_logp(graphdef: nnx.GraphDef, states: tuple[nnx.State, ...], batch: Batch,
                   num_micro: int, temperature: float, chunk_size: int | None,
-                  group: int) -> jax.Array:
+                  group: int, budgets: tuple[int, ...] = ()) -> jax.Array:
     """stop_gradient(logp_BxC) of the model `merge(graphdef, *states)`, by microbatches."""
     def one(mb):
         # A fresh copy per traced scope: nnx rejects Variables of another trace level.
         model = nnx.merge(graphdef, *states, copy=True)
-        return completion_log_probs(model, mb, temperature, chunk_size, prompt_group=group)[0]
+        return completion_log_probs(model, mb, temperature, chunk_size, prompt_group=group,
+                                    budgets=budgets)[0]
 
-    parts = jax.lax.map(one, jax.tree.map(lambda x: _split(x, num_micro), batch))
-    return jax.lax.stop_gradient(_unsplit(parts))
+    parts = jax.lax.map(one, jax.tree.map(lambda x: split_rows(x, num_micro), batch))
+    return jax.lax.stop_gradient(unsplit_rows(parts))
 
 
 def entropy_coef_at(cfg: AlgoSection, update: jax.Array) -> jax.Array:
@@ -185,19 +181,28 @@ def entropy_coef_at(cfg: AlgoSection, update: jax.Array) -> jax.Array:
 def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: jax.Array,
                     num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
                     entropy_coef: jax.Array | None = None, prompt_group: int = 1,
-                    critic: Critic | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    critic: Critic | None = None, packed_rows: int | None = None,
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
     counts (`policy_loss`); `mb` holds `train_batch`'s arrays plus ref log-probs and the old
     ones (without them, the step's only update: old = stop_gradient(new)); `entropy_coef`:
     this update's (`entropy_coef_at`), None: algo.loss.entropy_coef; `prompt_group`: see
     `completion_log_probs`; with a `critic` (algo.advantage gae: `mb` holds per-token adv_BxC,
     returns_BxC and old_values_BxC) + vf_coef x the clipped value loss (`jaxrl.rl.gae`); for
-    a mixture of experts with algo.router_aux_coef > 0, + that x the load-balancing loss."""
+    a mixture of experts with algo.router_aux_coef > 0, + that x the load-balancing loss;
+    `packed_rows`: run packed into that many rows (`jaxrl.step.packing`), None: padded."""
     aux = uses_router_aux(cfg.router_aux_coef, model.config)
-    hidden_BxCxE, *stats = completion_hidden(model, mb, prompt_group, router_stats=aux)
-    logp_BxC, entropy_BxC = completion_log_probs(model, mb, temperature,
-                                                 cfg.logprob_chunk_size, unroll=unroll,
-                                                 hidden_BxCxE=hidden_BxCxE)
+    head = critic is not None and critic.trunk is None  # a value head on the policy's trunk
+
+    def per_token(mods, hidden, targets):
+        logp, entropy = log_probs(mods[0], hidden, targets, temperature,
+                                  cfg.logprob_chunk_size, unroll=unroll)
+        return (logp, entropy, mods[1].head(hidden)) if head else (logp, entropy)
+
+    out, *stats = completion_outputs((model, critic) if head else (model,), mb, per_token,
+                                     prompt_group=prompt_group, packed_rows=packed_rows,
+                                     router_stats=aux)
+    logp_BxC, entropy_BxC = out[:2]
     old_logp_BxC = mb.get("old_logp_BxC")
     if old_logp_BxC is None:  # one update per step: this forward is the old policy's
         old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
@@ -212,8 +217,8 @@ def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: Batch, num_tokens: 
                                        num_tokens, loss, metrics)
     if critic is None:
         return loss, metrics
-    values_BxC = critic.head(hidden_BxCxE if critic.trunk is None else
-                             completion_hidden(critic.trunk, mb, prompt_group)[0])
+    values_BxC = out[2] if head else completion_values(critic, mb, model, prompt_group,
+                                                       packed_rows=packed_rows)
     v_loss, v_metrics = value_loss(
         values_BxC, mb["old_values_BxC"], mb["returns_BxC"], mb["loss_mask_BxC"],
         cfg.critic.value_clip, cfg.loss.aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -238,12 +243,10 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     """
     rows = batch["loss_mask_BxC"].shape[0]
     minibatch, num_micro = cfg.batch_split(rows)
-    total_micro = rows // (cfg.microbatch_size or minibatch)
     # Every microbatch, of the old/ref forwards and of the updates, is the strided slice
     # i mod total_micro of the rows (a minibatch's slices of the minibatch's slices).
-    active = active_rules()
-    group = prompt_group(cfg, ts.model.config, group_size, rows, total_micro,
-                         1 if active is None else active[1].size("batch", active[0]))
+    total_micro, group, budgets = microbatching(cfg, ts.model.config, group_size, batch)
+    completion_len = batch["loss_mask_BxC"].shape[1]
     lora = trainable(ts.model) is nnx.LoRAParam
     if lora:
         # The KL reference is the base: the adapters' B zeroed (s · A · 0 = 0), no copy.
@@ -259,21 +262,22 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     if not cfg.single_update:
         batch["old_logp_BxC"] = _forward_logp(model_graphdef, policy, batch,
                                               total_micro, temperature,
-                                              cfg.logprob_chunk_size, group)
+                                              cfg.logprob_chunk_size, group, budgets)
     if cfg.loss.beta > 0:
         if ref_params is None:
             raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
                              f"reference params (jaxrl.step.reference_params)")
         batch["ref_logp_BxC"] = _forward_logp(model_graphdef, ref_params, batch,
                                               total_micro, temperature,
-                                              cfg.logprob_chunk_size, group)
+                                              cfg.logprob_chunk_size, group, budgets)
     if not cfg.loss.uses_sampler_logp:
         del batch["sampler_logp_BxC"]
 
-    def loss_fn(targets, mb, num_tokens, num_seqs, entropy_coef=None):
+    def loss_fn(targets, mb, num_tokens, num_seqs, entropy_coef=None, packed_rows=None):
         model, critic = targets if isinstance(targets, tuple) else (targets, None)
         return microbatch_loss(cfg, model, mb, num_tokens, num_seqs, temperature,
-                               entropy_coef=entropy_coef, prompt_group=group, critic=critic)
+                               entropy_coef=entropy_coef, prompt_group=group, critic=critic,
+                               packed_rows=packed_rows)
 
     graphdef = nnx.graphdef(ts)
     adaptive = cfg.loss.entropy_target is not None
@@ -291,10 +295,21 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
                                                 ts.optimizer.last_entropy[...], cfg.loss)
 
         def accumulate(carry, mb):
-            model = nnx.merge(graphdef, state, copy=True).trainable()
-            (_, metrics), grads = nnx.value_and_grad(
-                loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-                model, mb, num_tokens, num_seqs, entropy_coef)
+            def at(rows):  # the microbatch's gradient, packed into `rows` rows (None: padded)
+                def grad(state):
+                    model = nnx.merge(graphdef, state, copy=True).trainable()
+                    return nnx.value_and_grad(
+                        loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
+                        model, mb, num_tokens, num_seqs, entropy_coef, rows)
+                return grad
+
+            if budgets:  # the smallest packed shape that holds it (`jaxrl.step.packing`)
+                index = packing.branch(packing.plan_rows(mb["mask_BxT"], completion_len),
+                                       budgets)
+                (_, metrics), grads = jax.lax.switch(
+                    index, [at(rows) for rows in (*budgets, None)], state)
+            else:
+                (_, metrics), grads = at(None)(state)
             return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
         zero_metrics = jax.eval_shape(
@@ -304,7 +319,7 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         zeros = (jax.tree.map(jnp.zeros_like, params),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics))
         (grads, metrics), _ = _scan(
-            accumulate, zeros, jax.tree.map(lambda x: _split(x, num_micro), mini))
+            accumulate, zeros, jax.tree.map(lambda x: split_rows(x, num_micro), mini))
         if isinstance(grads, tuple):  # (policy, critic): each clipped by its own optimizer
             metrics["value/grad_norm"] = optax.tree.norm(grads[1])
         metrics["grad_norm"] = optax.tree.norm(grads[0] if isinstance(grads, tuple) else grads)
@@ -346,7 +361,7 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         return new_state, (metrics, ~finite)
 
     def iteration(state, _):
-        minibatches = jax.tree.map(lambda x: _split(x, cfg.num_minibatches), batch)
+        minibatches = jax.tree.map(lambda x: split_rows(x, cfg.num_minibatches), batch)
         return _scan(update, state, minibatches)
 
     state, (metrics, skipped) = _scan(iteration, nnx.state(ts), None,
@@ -354,6 +369,9 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     nnx.update(ts, state)
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics.update(ts.count_skips(jnp.sum(skipped, dtype=jnp.int32)))
+    if budgets:
+        metrics.update(packing_metrics(batch["mask_BxT"], total_micro,
+                                       batch["loss_mask_BxC"].shape[1], budgets))
     return metrics
 
 
