@@ -24,7 +24,7 @@ from jaxrl.models import Transformer
 from jaxrl.models.lora import LORA_MODULES, LoraConfig
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops
 from jaxrl.rl import PolicyLossConfig
-from jaxrl.sharding import load_layout, make_mesh
+from jaxrl.sharding import load_layout, make_mesh, use_rules
 from jaxrl.step import create_train_state, packing, reference_params
 from jaxrl.step.critic import gae_batch
 from jaxrl.step.phases import train_on
@@ -45,15 +45,15 @@ def _masks(rng, rows=ROWS, p=P, c=C, fixed=False):
     return np.concatenate([prompt, completion], 1), completion
 
 
-def _batch(seed=0, vocab=LLAMA.vocab_size, observations=False, fixed=False):
+def _batch(seed=0, vocab=LLAMA.vocab_size, observations=False, fixed=False, rows=ROWS):
     rng = np.random.default_rng(seed)
-    mask, completion = _masks(rng, fixed=fixed)
+    mask, completion = _masks(rng, rows=rows, fixed=fixed)
     loss_mask = completion.copy()
     if observations:  # a tool's answer in the middle of each completion: real, not trained
         loss_mask[:, 3:6] = False
     return {"ids_BxT": jnp.asarray(rng.integers(0, vocab, mask.shape), jnp.int32),
             "mask_BxT": jnp.asarray(mask), "loss_mask_BxC": jnp.asarray(loss_mask),
-            "adv_B": jnp.asarray(rng.normal(size=ROWS), jnp.float32),
+            "adv_B": jnp.asarray(rng.normal(size=rows), jnp.float32),
             "sampler_logp_BxC": jnp.asarray(-rng.uniform(0.5, 3.0, completion.shape),
                                             jnp.float32)}
 
@@ -136,24 +136,28 @@ def test_a_packed_sequence_gets_its_own_rows_hidden_states_and_sees_no_other(fam
 # ----------------------------------------------------------------------------- the step
 
 
-def _train(cfg: AlgoSection, config=LLAMA, *, observations=False, fixed=False):
-    """(metrics, updated params) of `train_on` on a long-tailed batch, one jitted program."""
-    mesh = make_mesh(load_layout("single"), jax.devices()[:1])
+def _train(cfg: AlgoSection, config=LLAMA, *, observations=False, fixed=False, rows=ROWS,
+           layout="single"):
+    """(metrics, updated params) of `train_on` on a long-tailed batch, one jitted program
+    (on `layout`'s mesh over every device, its train rules active)."""
+    lay = load_layout(layout)
+    mesh = make_mesh(lay, jax.devices()[:1] if layout == "single" else None)
     critic = cfg.critic if cfg.advantage == "gae" else None
     ts = create_train_state(lambda: Transformer(config, rngs=nnx.Rngs(0, lora=3)), OPTIM, mesh,
-                            load_layout("single").train_rules, critic=critic)
+                            lay.train_rules, critic=critic)
     ref = reference_params(ts) if cfg.loss.beta > 0 and config.lora is None else None
     graphdef, state = nnx.split(ts)
-    batch = _batch(vocab=config.vocab_size, observations=observations, fixed=fixed)
+    batch = _batch(vocab=config.vocab_size, observations=observations, fixed=fixed, rows=rows)
 
     @jax.jit
     def step(state, batch):
-        ts = nnx.merge(graphdef, state)
-        b, extra = batch, {}
-        if cfg.advantage == "gae":
-            b, extra = gae_batch(cfg, ts, batch)
-        metrics = train_on(cfg, ts, b, 1.0, ref_params=ref)
-        return metrics | extra, nnx.state(ts, nnx.Param)
+        with use_rules(mesh, lay.train_rules):
+            ts = nnx.merge(graphdef, state)
+            b, extra = batch, {}
+            if cfg.advantage == "gae":
+                b, extra = gae_batch(cfg, ts, batch)
+            metrics = train_on(cfg, ts, b, 1.0, ref_params=ref)
+            return metrics | extra, nnx.state(ts, nnx.Param)
 
     metrics, params = step(state, batch)
     return jax.device_get(metrics), jax.device_get(params)
@@ -223,6 +227,18 @@ def test_packed_moe_router_loss_equals_padded():
     moe = make_tiny_config("qwen3_moe", vocab_size=LLAMA.vocab_size)
     metrics = _assert_same(AlgoSection(router_aux_coef=0.01, loss=LOSS), moe)
     assert metrics["loss/router_aux"] > 0
+
+
+def test_packed_training_on_a_sharded_mesh_equals_padded_on_one_device():
+    # (2, 2, 2) over 8 devices: 16 rows split over 4 batch shards pack into 4, 8 or 12 rows.
+    cfg = AlgoSection(loss=dataclasses.replace(LOSS, beta=0.05))
+    padded, padded_params = _train(dataclasses.replace(cfg, packing=False), rows=16)
+    packed, packed_params = _train(cfg, rows=16, layout="dp_fsdp_tp")
+    assert packed["train/packed_frac"] == 1.0 and packed["train/run_row_frac"] < 1.0
+    for name, value in padded.items():
+        np.testing.assert_allclose(packed[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 packed_params, padded_params)
 
 
 def test_equal_lengths_run_padded_and_count_every_token():
