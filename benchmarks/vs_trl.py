@@ -1,7 +1,9 @@
 """jaxrl vs TRL: the same GRPO workload on this machine's CPU, one library after the other.
 
     pip install -e '.[bench]'
-    python benchmarks/vs_trl.py [--warmup 2] [--steps 5] [--work-dir DIR] [--only jaxrl|trl]
+    python benchmarks/vs_trl.py [--workload fixed|longtail] [--rounds N] [--warmup 2]
+        [--steps 5] [--work-dir DIR] [--only jaxrl|trl] [--jaxrl-set KEY=VALUE ...]
+        [--jaxrl-checkout PATH]
 
 Workload (made here, nothing is downloaded; everything is seeded):
 - policy: a random-init Qwen2 (transformers `Qwen2ForCausalLM`), hidden 256, 4 layers, 4
@@ -42,15 +44,32 @@ jaxrl's step is one compiled program (compiled ahead of time, before the warm-up
 in its JSON), TRL runs eagerly; TRL tokenizes a step's prompts inside the timed step, jaxrl's
 `bench` before it (a few ms). jaxrl's MFU is against the float32 matmul rate JAX measures on
 this host (`peak_source`); TRL's "train" column is the step minus its `generate` call.
+
+`--workload longtail` (`longtail_policy.py`): completions end at EOS with long-tailed lengths,
+the same distribution in both libraries because it is a property of the weights. The policy is
+the same Qwen2 with an untied lm_head (5.2M parameters, the same FLOPs per token), its weights
+made a Markov chain over token classes: a quarter of the rows never emit EOS and run to the
+cap of 256 tokens (`rollout.max_new_tokens=256`, TRL `max_completion_length=256`), the others
+stop at EOS after a geometric number of tokens, so the median length is 20 and the mean 78.
+Both libraries stop at EOS (no `ignore_eos`, no `min_new_tokens`). Its completions hold only
+filler words, so `math_reward` is 0 on every one: all advantages are 0 and the weights (hence
+the distribution) stay exactly as made over the measured steps. Each library's completion
+lengths are counted from what it returns (TRL: the reward's `completion_ids`; jaxrl: its
+reward, run as `data.reward_fn=longtail_policy:math_reward`, counts each completion's words)
+and printed with the chain's own median, mean and fraction at the cap.
+
+`--rounds N` runs the two libraries N times, alternating which goes first (round 1 jaxrl
+then TRL, round 2 TRL then jaxrl, ...), and prints every round and its jaxrl / TRL ratio.
+`--jaxrl-set KEY=VALUE` (repeatable) adds a dotted override to jaxrl's config;
+`--jaxrl-checkout PATH` runs jaxrl from another source tree (its `jaxrl` package first on
+PYTHONPATH, the subprocess started in PATH): a setting or an older commit raced in one sitting.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -58,15 +77,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
+import longtail_policy as longtail
+import vs_trl_report as report
+
 PROMPTS_PER_STEP, GENERATIONS, COMPLETION_TOKENS = 8, 8, 64
+ROWS = PROMPTS_PER_STEP * GENERATIONS
 NUM_PROMPTS = 256  # enough distinct prompts for every step of a run
 LR, SEED, VOCAB = 1e-5, 0, 4096
 EOS, PAD, UNK = "<|endoftext|>", "<|pad|>", "<unk>"
 NAMES = ["Tom", "Ana", "Raj", "Mei", "Olu", "Ivan", "Sara", "Kofi"]
 ITEMS = ["apples", "books", "coins", "stamps", "pencils", "marbles", "cards", "shells"]
+WORKLOADS = ("fixed", "longtail")
 
 
 # ---------------------------------------------------------------- the workload files
@@ -105,10 +128,23 @@ def make_tokenizer(texts: list[str]):
     return tokenizer
 
 
-def make_workload(work: Path) -> dict:
-    """Writes model/ (random Qwen2 + tokenizer) and prompts.jsonl; returns their description."""
+def qwen2_config(tokenizer, *, tied: bool, **sizes):
+    """The workload's Qwen2 config (hidden 256, 4 layers, ...; `sizes` overrides, for tests)."""
+    from transformers import Qwen2Config
+
+    shape = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 768, **sizes}
+    return Qwen2Config(
+        vocab_size=VOCAB, **shape, max_position_embeddings=512, tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, dtype="float32")
+
+
+def make_workload(work: Path, kind: str) -> dict:
+    """Writes model/ (random Qwen2, or the long-tail chain, + tokenizer) and prompts.jsonl;
+    returns their description."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from jaxrl.data.tasks.gsm8k import render_question
 
@@ -118,39 +154,45 @@ def make_workload(work: Path) -> dict:
     lengths = {len(tokenizer(t)["input_ids"]) for t in rendered}
     assert len(lengths) == 1, f"prompts of different token lengths: {sorted(lengths)}"
     assert tokenizer.unk_token_id not in tokenizer(rendered[0])["input_ids"]
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=768, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, dtype="float32")
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(config).float()
+    model = Qwen2ForCausalLM(qwen2_config(tokenizer, tied=kind == "fixed")).float()
+    if kind == "longtail":
+        longtail.make_markov(model, tokenizer)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
-    return {"model_dir": str(work / "model"), "prompts": str(work / "prompts.jsonl"),
-            "prompt_tokens": lengths.pop(),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    out = {"model_dir": str(work / "model"), "prompts": str(work / "prompts.jsonl"),
+           "prompt_tokens": lengths.pop(),
+           "parameters": sum(p.numel() for p in model.parameters())}
+    if kind == "longtail":
+        out["expected_lengths"] = longtail.expected_stats()
+    return out
 
 
 # ---------------------------------------------------------------- jaxrl half
-def jaxrl_config(work: Path, workload: dict, steps_total: int) -> Path:
+def jaxrl_config(work: Path, workload: dict, steps_total: int, kind: str) -> Path:
     """The jaxrl experiment config of the workload (YAML in the work dir)."""
     import yaml
 
+    rollout = {"num_generations": GENERATIONS, "max_new_tokens": COMPLETION_TOKENS,
+               "temperature": 1.0, "ignore_eos": True}
+    data = {"task": "gsm8k", "source": workload["prompts"], "prompt_column": "question",
+            "answer_column": "answer", "chat_template": False,
+            "max_prompt_len": workload["prompt_tokens"], "batch_size": PROMPTS_PER_STEP}
+    if kind == "longtail":  # stop at EOS; the same reward, which also counts the lengths
+        rollout = {"num_generations": GENERATIONS, "max_new_tokens": longtail.CAP,
+                   "temperature": 1.0}
+        data["reward_fn"] = "longtail_policy:math_reward"
     cfg = {
         "model": {"path": workload["model_dir"], "dtype": "float32"},
         "sharding": {"layout": "single"},
-        "rollout": {"num_generations": GENERATIONS, "max_new_tokens": COMPLETION_TOKENS,
-                    "temperature": 1.0, "ignore_eos": True},
+        "rollout": rollout,
         "algo": {"mode": "fused", "advantage": "grpo", "scale_rewards": "group",
                  "num_iterations": 1, "num_minibatches": 1,
                  "loss": {"epsilon_low": 0.2, "epsilon_high": 0.2,
                           "aggregation": "token_mean", "beta": 0.0}},
         "optim": {"lr": LR, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
                   "max_grad_norm": 1.0},
-        "data": {"task": "gsm8k", "source": workload["prompts"], "prompt_column": "question",
-                 "answer_column": "answer", "chat_template": False,
-                 "max_prompt_len": workload["prompt_tokens"], "batch_size": PROMPTS_PER_STEP},
+        "data": data,
         "train": {"max_steps": steps_total, "seed": SEED, "save_final": False},
         "eval": {"num_prompts": 0},
         "log": {"tensorboard": False, "plot": False},
@@ -160,29 +202,74 @@ def jaxrl_config(work: Path, workload: dict, steps_total: int) -> Path:
     return path
 
 
-def run_jaxrl(work: Path, workload: dict, warmup: int, steps: int) -> dict:
-    """`jaxrl bench` in a subprocess; its last stdout line (JSON)."""
+def run_jaxrl(work: Path, workload: dict, warmup: int, steps: int, kind: str, *,
+              run_name: str = "jaxrl_run", overrides: tuple[str, ...] = (),
+              checkout: Path | None = None) -> dict:
+    """`jaxrl bench` in a subprocess (from `checkout` when given); its last stdout line (JSON)."""
     from jaxrl.run.run_dir import METRICS_FILE
 
-    config = jaxrl_config(work, workload, warmup + steps)
-    run_dir = work / "jaxrl_run"
+    config = jaxrl_config(work, workload, warmup + steps, kind)
+    run_dir = work / run_name
     shutil.rmtree(run_dir, ignore_errors=True)  # a jaxrl run directory is never reused
     cmd = [sys.executable, "-m", "jaxrl.cli", "bench", str(config), f"train.run_dir={run_dir}",
-           "--steps", str(steps), "--warmup", str(warmup)]
+           *overrides, "--steps", str(steps), "--warmup", str(warmup)]
+    env, cwd, path = dict(os.environ), None, []
+    if checkout is not None:  # `python -m` puts the working directory first on sys.path
+        path, cwd = [str(checkout)], checkout
+    lengths_file = work / f"{run_name}_lengths.txt"
+    if kind == "longtail":  # longtail_policy:math_reward appends each completion's length
+        path.append(str(Path(__file__).resolve().parent))
+        env[longtail.LENGTHS_ENV] = str(lengths_file)
+        lengths_file.unlink(missing_ok=True)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    source = _jaxrl_source(env, cwd, checkout) if checkout is not None else None
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    result = _last_json_line(subprocess.run(cmd, stdout=subprocess.PIPE, text=True), "jaxrl")
+    result = _last_json_line(subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                                            cwd=cwd), "jaxrl")
     # The bench JSON's tokens_per_s is total tokens / total seconds; for the same statistic as
     # the TRL half, take the median of the measured steps' rates from its metrics.jsonl.
     lines = (Path(result["run_dir"]) / METRICS_FILE).read_text().splitlines()
     measured = [r for r in map(json.loads, lines) if r["step"] >= warmup]
-    assert all(r["completion/len_mean"] == COMPLETION_TOKENS for r in measured), measured
+    if kind == "fixed":
+        assert all(r["completion/len_mean"] == COMPLETION_TOKENS for r in measured), measured
+    else:
+        result.update(_jaxrl_lengths(lengths_file, measured, warmup, steps))
     result["bench_tokens_per_s"] = result["tokens_per_s"]
     result["tokens_per_s"] = statistics.median(r["perf/tokens_per_s"] for r in measured)
+    if source is not None:
+        result["jaxrl_source"] = source
     return result
 
 
+def _jaxrl_source(env: dict, cwd: Path, checkout: Path) -> dict:
+    """Where the subprocess's `jaxrl` comes from (it must be `checkout`'s) and its commit."""
+    origin = subprocess.run(
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('jaxrl')"
+                               ".origin)"], env=env, cwd=cwd, capture_output=True, text=True,
+        check=True).stdout.strip()
+    if not Path(origin).resolve().is_relative_to(checkout.resolve()):
+        raise SystemExit(f"--jaxrl-checkout {checkout}: the subprocess imports jaxrl from "
+                         f"{origin}")
+    commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    return {"path": str(checkout), "origin": origin, "commit": commit or None}
+
+
+def _jaxrl_lengths(path: Path, measured: list[dict], warmup: int, steps: int) -> dict:
+    """The measured steps' completion lengths, as jaxrl's reward counted them; each step's
+    mean checked against the step's own completion/len_mean."""
+    lengths = [int(n) for n in path.read_text().split()]
+    assert len(lengths) == (warmup + steps) * ROWS, (len(lengths), warmup + steps)
+    per_step = [lengths[i * ROWS:(i + 1) * ROWS] for i in range(warmup, warmup + steps)]
+    for rows, r in zip(per_step, measured, strict=True):
+        assert abs(statistics.fmean(rows) - r["completion/len_mean"]) < 1e-3, (rows, r)
+    return {"lengths": longtail.length_stats([n for rows in per_step for n in rows]),
+            "tokens_per_step": [sum(rows) for rows in per_step]}
+
+
 # ---------------------------------------------------------------- TRL half
-def trl_worker(work: Path, warmup: int, steps: int) -> dict:
+def trl_worker(work: Path, warmup: int, steps: int, kind: str) -> dict:
     """GRPOTrainer on the workload, in this (child) process; per-step times and tokens."""
     import datasets
     import torch
@@ -199,22 +286,24 @@ def trl_worker(work: Path, warmup: int, steps: int) -> dict:
     rows = datasets.load_dataset("json", data_files=str(work / "prompts.jsonl"), split="train")
     rows = rows.map(lambda r: {"prompt": render_question(r["question"])})
 
-    tokens_now = [0]  # completion tokens of the step in progress (the reward sees them all)
+    lengths_now = []  # completion lengths of the step in progress (the reward sees them all)
 
     def math(prompts, completions, completion_ids, answer, **_):
-        tokens_now[0] += sum(len(ids) for ids in completion_ids)
+        lengths_now.extend(len(ids) for ids in completion_ids)
         return [math_reward(p, c, {"answer": a})
                 for p, c, a in zip(prompts, completions, answer, strict=True)]
 
-    records = []
+    records, step_lengths = [], []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **_):
-            tokens_now[0], self.gen_s, self.t0 = 0, 0.0, time.perf_counter()
+            lengths_now.clear()
+            self.gen_s, self.t0 = 0.0, time.perf_counter()
 
         def on_step_end(self, args, state, control, **_):
-            records.append({"step_s": time.perf_counter() - self.t0, "tokens": tokens_now[0],
+            records.append({"step_s": time.perf_counter() - self.t0, "tokens": sum(lengths_now),
                             "generate_s": timer.gen_s})
+            step_lengths.append(list(lengths_now))
 
     timer = StepTimer()
 
@@ -225,12 +314,14 @@ def trl_worker(work: Path, warmup: int, steps: int) -> dict:
             timer.gen_s += time.perf_counter() - t0
             return out
 
+    fixed = kind == "fixed"  # else stop at EOS, up to the long-tail cap
     args = GRPOConfig(
         output_dir=str(work / "trl_out"), use_cpu=True, bf16=False, seed=SEED,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
+        per_device_train_batch_size=ROWS,
         gradient_accumulation_steps=1, num_generations=GENERATIONS, num_iterations=1,
-        max_completion_length=COMPLETION_TOKENS,
-        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, temperature=1.0,
+        max_completion_length=COMPLETION_TOKENS if fixed else longtail.CAP,
+        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS} if fixed else None,
+        temperature=1.0,
         beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
@@ -241,20 +332,24 @@ def trl_worker(work: Path, warmup: int, steps: int) -> dict:
                                processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     measured = records[warmup:]
-    assert all(r["tokens"] == PROMPTS_PER_STEP * GENERATIONS * COMPLETION_TOKENS
-               for r in measured), [r["tokens"] for r in measured]
-    return {"tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in measured),
-            "step_s": statistics.median(r["step_s"] for r in measured),
-            "generate_s": statistics.median(r["generate_s"] for r in measured),
-            "train_s": statistics.median(r["step_s"] - r["generate_s"] for r in measured),
-            "tokens_per_step": measured[0]["tokens"], "torch_threads": torch.get_num_threads(),
-            "steps": measured}
+    if fixed:
+        assert all(r["tokens"] == ROWS * COMPLETION_TOKENS for r in measured), \
+            [r["tokens"] for r in measured]
+    out = {"tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in measured),
+           "step_s": statistics.median(r["step_s"] for r in measured),
+           "generate_s": statistics.median(r["generate_s"] for r in measured),
+           "train_s": statistics.median(r["step_s"] - r["generate_s"] for r in measured),
+           "tokens_per_step": measured[0]["tokens"] if fixed else [r["tokens"] for r in measured],
+           "torch_threads": torch.get_num_threads(), "steps": measured}
+    if not fixed:
+        out["lengths"] = longtail.length_stats([n for ls in step_lengths[warmup:] for n in ls])
+    return out
 
 
-def run_trl(work: Path, warmup: int, steps: int) -> dict:
+def run_trl(work: Path, warmup: int, steps: int, kind: str) -> dict:
     """`trl_worker` in a subprocess (this script, `--child trl`); its last stdout line."""
     cmd = [sys.executable, __file__, "--child", "trl", "--work-dir", str(work),
-           "--warmup", str(warmup), "--steps", str(steps)]
+           "--warmup", str(warmup), "--steps", str(steps), "--workload", kind]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     return _last_json_line(subprocess.run(cmd, stdout=subprocess.PIPE, text=True), "TRL")
 
@@ -267,76 +362,59 @@ def _last_json_line(proc: subprocess.CompletedProcess, who: str) -> dict:
     return json.loads(lines[-1])
 
 
-# ---------------------------------------------------------------- report
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("jax", "jaxlib", "torch", "transformers", "trl"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def table(results: dict) -> str:
-    def cell(value, fmt):
-        return "n/a" if value is None else format(value, fmt)
-
-    rows = ["| library | completion tokens/s | s/step | generate s/step | train s/step | MFU |",
-            "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        mfu = r.get("mfu")
-        rows.append(f"| {name} | {cell(r['tokens_per_s'], ',.0f')} | {cell(r['step_s'], '.3f')} "
-                    f"| {cell(r.get('generate_s'), '.3f')} | {cell(r.get('train_s'), '.3f')} "
-                    f"| {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} |")
-    return "\n".join(rows)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=WORKLOADS, default="fixed",
+                        help="fixed: 64 tokens per completion; longtail: stop at EOS, "
+                             "long-tailed lengths up to 256 (module docstring)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run both libraries N times, alternating which goes first")
     parser.add_argument("--warmup", type=int, default=2, help="steps run before timing")
     parser.add_argument("--steps", type=int, default=5, help="measured steps")
     parser.add_argument("--work-dir", type=Path, help="default: a fresh temporary directory")
     parser.add_argument("--only", choices=("jaxrl", "trl"), help="run one half only")
+    parser.add_argument("--jaxrl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted override of jaxrl's config (repeatable)")
+    parser.add_argument("--jaxrl-checkout", type=Path, metavar="PATH",
+                        help="run jaxrl from this source tree (e.g. a worktree of another "
+                             "commit)")
     parser.add_argument("--child", choices=("trl",), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(trl_worker(args.work_dir, args.warmup, args.steps)))
+        print(json.dumps(trl_worker(args.work_dir, args.warmup, args.steps, args.workload)))
         return
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if any("=" not in kv for kv in args.jaxrl_set):
+        parser.error(f"--jaxrl-set takes KEY=VALUE, got {args.jaxrl_set}")
+    if args.jaxrl_checkout is not None and not (args.jaxrl_checkout / "jaxrl").is_dir():
+        parser.error(f"--jaxrl-checkout {args.jaxrl_checkout} has no jaxrl/ package")
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="jaxrl_vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(work)
+    workload = make_workload(work, args.workload)
     print(f"work dir {work}: {workload['parameters'] / 1e6:.2f}M parameters, prompts of "
           f"{workload['prompt_tokens']} tokens", file=sys.stderr, flush=True)
-    results = {}
-    if args.only in (None, "jaxrl"):
-        results["jaxrl"] = run_jaxrl(work, workload, args.warmup, args.steps)
-    if args.only in (None, "trl"):
-        results["TRL"] = run_trl(work, args.warmup, args.steps)
+    names = [name for name in ("jaxrl", "TRL") if args.only in (None, name.lower())]
+    rounds = []
+    for i in range(args.rounds):
+        results = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            if name == "jaxrl":
+                results[name] = run_jaxrl(
+                    work, workload, args.warmup, args.steps, args.workload,
+                    run_name="jaxrl_run" if args.rounds == 1 else f"jaxrl_run_{i + 1}",
+                    overrides=tuple(args.jaxrl_set), checkout=args.jaxrl_checkout)
+            else:
+                results[name] = run_trl(work, args.warmup, args.steps, args.workload)
+        rounds.append(results)
 
-    summary = {
-        "date": datetime.date.today().isoformat(), "cpu_count": os.cpu_count(),
-        "versions": versions(), "warmup": args.warmup, "steps": args.steps,
-        "workload": {"prompts_per_step": PROMPTS_PER_STEP, "generations": GENERATIONS,
-                     "completion_tokens": COMPLETION_TOKENS, **workload},
-        **{name.lower(): r for name, r in results.items()},
-    }
-    if len(results) == 2:
-        summary["ratio_tokens_per_s"] = (results["jaxrl"]["tokens_per_s"]
-                                         / results["TRL"]["tokens_per_s"])
-    print(table(results))
-    if "jaxrl" in results:
-        j = results["jaxrl"]
-        print(f"\njaxrl MFU {j.get('mfu')} against {j.get('peak_flops_per_device')} FLOP/s "
-              f"({j.get('peak_source')}, {j.get('device_kind')}, {j.get('num_devices')} device)")
-    if "ratio_tokens_per_s" in summary:
-        print(f"jaxrl / TRL completion tokens/s: {summary['ratio_tokens_per_s']:.2f}x")
-    v = summary["versions"]
-    print(f"{summary['date']}, os.cpu_count()={summary['cpu_count']}, "
-          + ", ".join(f"{k} {v[k]}" for k in v))
-    print(json.dumps(summary))
-
+    shape = ({"completion_tokens": COMPLETION_TOKENS} if args.workload == "fixed"
+             else {"kind": args.workload, "max_completion_tokens": longtail.CAP})
+    report.print_report(rounds, report.summary(
+        rounds, {"prompts_per_step": PROMPTS_PER_STEP, "generations": GENERATIONS, **shape,
+                 **workload}, warmup=args.warmup, steps=args.steps, jaxrl_set=args.jaxrl_set,
+        jaxrl_checkout=args.jaxrl_checkout and str(args.jaxrl_checkout)), ROWS)
 
 if __name__ == "__main__":
     main()
