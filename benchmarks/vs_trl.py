@@ -378,6 +378,9 @@ def main() -> None:
     parser.add_argument("--jaxrl-checkout", type=Path, metavar="PATH",
                         help="run jaxrl from this source tree (e.g. a worktree of another "
                              "commit)")
+    parser.add_argument("--baseline-checkout", type=Path, metavar="PATH",
+                        help="also race jaxrl from this source tree in every round, as "
+                             "'jaxrl-before' (a 'before' commit in the same sitting)")
     parser.add_argument("--child", choices=("trl",), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -387,8 +390,10 @@ def main() -> None:
         parser.error("--rounds must be >= 1")
     if any("=" not in kv for kv in args.jaxrl_set):
         parser.error(f"--jaxrl-set takes KEY=VALUE, got {args.jaxrl_set}")
-    if args.jaxrl_checkout is not None and not (args.jaxrl_checkout / "jaxrl").is_dir():
-        parser.error(f"--jaxrl-checkout {args.jaxrl_checkout} has no jaxrl/ package")
+    for flag, tree in (("--jaxrl-checkout", args.jaxrl_checkout),
+                       ("--baseline-checkout", args.baseline_checkout)):
+        if tree is not None and not (tree / "jaxrl").is_dir():
+            parser.error(f"{flag} {tree} has no jaxrl/ package")
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="jaxrl_vs_trl_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -396,15 +401,20 @@ def main() -> None:
     print(f"work dir {work}: {workload['parameters'] / 1e6:.2f}M parameters, prompts of "
           f"{workload['prompt_tokens']} tokens", file=sys.stderr, flush=True)
     names = [name for name in ("jaxrl", "TRL") if args.only in (None, name.lower())]
+    if args.baseline_checkout is not None:
+        names.insert(1, "jaxrl-before")
     rounds = []
     for i in range(args.rounds):
         results = {}
         for name in names if i % 2 == 0 else names[::-1]:
-            if name == "jaxrl":
+            if name.startswith("jaxrl"):
+                before = name == "jaxrl-before"
+                run_name = "jaxrl_before_run" if before else "jaxrl_run"
                 results[name] = run_jaxrl(
                     work, workload, args.warmup, args.steps, args.workload,
-                    run_name="jaxrl_run" if args.rounds == 1 else f"jaxrl_run_{i + 1}",
-                    overrides=tuple(args.jaxrl_set), checkout=args.jaxrl_checkout)
+                    run_name=run_name if args.rounds == 1 else f"{run_name}_{i + 1}",
+                    overrides=tuple(args.jaxrl_set),
+                    checkout=args.baseline_checkout if before else args.jaxrl_checkout)
             else:
                 results[name] = run_trl(work, args.warmup, args.steps, args.workload)
         rounds.append(results)
@@ -414,7 +424,8 @@ def main() -> None:
     report.print_report(rounds, report.summary(
         rounds, {"prompts_per_step": PROMPTS_PER_STEP, "generations": GENERATIONS, **shape,
                  **workload}, warmup=args.warmup, steps=args.steps, jaxrl_set=args.jaxrl_set,
-        jaxrl_checkout=args.jaxrl_checkout and str(args.jaxrl_checkout)), ROWS)
+        jaxrl_checkout=args.jaxrl_checkout and str(args.jaxrl_checkout),
+        baseline_checkout=args.baseline_checkout and str(args.baseline_checkout)), ROWS)
 
 if __name__ == "__main__":
     main()

@@ -60,6 +60,12 @@ def round_table(rounds: list[dict]) -> str:
         rows += [f"| {i} | {next(iter(results))} | {x:.2f}x |"
                  for i, (results, x) in enumerate(zip(rounds, ratios, strict=True), 1)]
         rows.append(f"| median | | {statistics.median(ratios):.2f}x |")
+    before = [r["jaxrl"]["train_s"] / r["jaxrl-before"]["train_s"] for r in rounds
+              if "jaxrl-before" in r and "jaxrl" in r]
+    if before:
+        rows += ["", "| round | jaxrl train s / jaxrl-before train s |", "|---|---|"]
+        rows += [f"| {i} | {x:.2f}x |" for i, x in enumerate(before, 1)]
+        rows.append(f"| median | {statistics.median(before):.2f}x |")
     return "\n".join(rows)
 
 
@@ -88,12 +94,12 @@ def summary(rounds: list[dict], workload: dict, **run: object) -> dict:
            "versions": versions(), **{k: v for k, v in run.items() if v not in (None, [], ())},
            "workload": workload}
     if len(rounds) == 1:
-        out.update({name.lower(): r for name, r in rounds[0].items()})
+        out.update({name.lower().replace("-", "_"): r for name, r in rounds[0].items()})
         if ratio(rounds[0]) is not None:
             out["ratio_tokens_per_s"] = ratio(rounds[0])
     else:
         out["rounds"] = [{"round": i, "order": list(results),
-                          **{name.lower(): r for name, r in results.items()},
+                          **{name.lower().replace("-", "_"): r for name, r in results.items()},
                           "ratio_tokens_per_s": ratio(results)}
                          for i, results in enumerate(rounds, 1)]
     return out

@@ -23,9 +23,10 @@ from jaxrl.config.critic import CriticSection
 from jaxrl.models import Transformer
 from jaxrl.models.lora import LORA_MODULES, LoraConfig
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops
-from jaxrl.rl import PolicyLossConfig
+from jaxrl.rl import JaxReward, PolicyLossConfig, RewardSet
+from jaxrl.rollout import Prompts, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh, use_rules
-from jaxrl.step import create_train_state, packing, reference_params
+from jaxrl.step import build_step, create_train_state, packing, reference_params
 from jaxrl.step.critic import gae_batch
 from jaxrl.step.phases import train_on
 from tests.conftest import make_tiny_config
@@ -255,3 +256,45 @@ def test_a_packed_steps_train_flops_follow_its_tokens():
     assert flops.train_flops() == 210.0
     assert flops.train_flops(0.25) == 60.0  # the optimizer update does not shrink
     assert flops.total(0, 0.25) == 65.0
+
+
+def _small_ids(inputs):
+    """Fraction of completion tokens with an id below half the vocabulary."""
+    mask = inputs.completion_mask_BxC.astype(jnp.float32)
+    small = (inputs.completion_ids_BxC < LLAMA.vocab_size // 2).astype(jnp.float32)
+    return jnp.sum(small * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+
+
+def _step(cfg: AlgoSection):
+    """Metrics and params after one fused or split step that generates its own rows: 4
+    prompts x 4 samples of at most 32 tokens, ended early by any of 5 stop ids."""
+    mesh = make_mesh(load_layout("single"), jax.devices()[:1])
+    ts = create_train_state(lambda: Transformer(LLAMA, rngs=nnx.Rngs(0)), OPTIM, mesh,
+                            load_layout("single").train_rules)
+    sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(
+        max_new_tokens=C, num_generations=4, stop_token_ids=(1, 2, 3, 4, 5)))
+    rewards = RewardSet([JaxReward("small_ids", _small_ids)], decode=None)
+    graphdef, state = nnx.split(ts)
+    step = build_step(cfg, graphdef, sampler, rewards, optim=OPTIM, phase_times=False)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(6, LLAMA.vocab_size, (4, P)), jnp.int32)
+    prompts = Prompts(ids, jnp.ones((4, P), bool))
+    state, out = step(state, prompts, {}, jnp.arange(4, dtype=jnp.int32), jax.random.key(7))
+    return jax.device_get(out.metrics), jax.device_get(nnx.state(nnx.merge(graphdef, state).model,
+                                                                 nnx.Param))
+
+
+def test_fused_and_split_steps_pack_what_they_generate_with_the_padded_numbers():
+    cfg = AlgoSection(num_minibatches=2, loss=dataclasses.replace(LOSS, beta=0.0))
+    padded, padded_params = _step(dataclasses.replace(cfg, packing=False))
+    fused, fused_params = _step(cfg)
+    split, split_params = _step(dataclasses.replace(cfg, mode="split"))
+    assert fused["train/packed_frac"] > 0 and fused["train/real_token_frac"] < 0.8
+    for name, value in padded.items():
+        if name.startswith(("time/", "perf/")):
+            continue
+        np.testing.assert_allclose(fused[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+        np.testing.assert_array_equal(split[name], fused[name], err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 fused_params, padded_params)
+    jax.tree.map(np.testing.assert_array_equal, split_params, fused_params)
