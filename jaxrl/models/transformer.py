@@ -202,12 +202,10 @@ class Transformer(nnx.Module):
 
     def hidden_states_packed(self, ids_RxL: jax.Array, positions_RxL: jax.Array,
                              segments_RxL: jax.Array, *, router_stats: bool = False):
-        """`hidden_states` of packed rows: each row holds several sequences one after
-        another (segment s > 0 of a row: one sequence; 0: padding), each at its own
-        `positions` and attending only within its segment (`segment_causal_mask`, XLA's
-        attention whatever `attention_impl`: the kernels take one sequence per row). The
-        sequences' hidden states are those of `hidden_states` on them one per row (to float
-        rounding); the router statistics count the tokens of segments > 0."""
+        """`hidden_states` of packed rows: sequences end to end (segment s > 0: one; 0:
+        padding), each at its own `positions`, attending within its segment only (XLA's
+        attention whatever `attention_impl`); as one row each, to float rounding (router
+        statistics: the tokens of segments > 0)."""
         mask_RxLxL = segment_causal_mask(segments_RxL, self.config.sliding_window)
         return self._hidden(ids_RxL, positions_RxL, mask_RxLxL, segments_RxL > 0, router_stats)
 
