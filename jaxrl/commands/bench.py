@@ -108,7 +108,8 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
             jax.block_until_ready(out)
             step_s = time.perf_counter() - start
             batch, data_metrics = drawn.pop(i)
-            record = recorder.record(i, out, batch.all_positions_B, data_metrics, step_s=step_s)
+            record, host = recorder.record(i, out, data_metrics, step_s=step_s)
+            run.batches.observe(i, batch.all_positions_B, host.success_P, host.signal_P)
             phase = "warm-up" if i < warmup else "measured"
             console.print(f"step {i + 1}/{warmup + steps} ({phase}): {step_s * 1e3:.1f} ms")
             if i >= warmup:

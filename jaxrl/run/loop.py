@@ -1,14 +1,11 @@
-"""The training loop: build a run from its config, step it, log it, checkpoint it, evaluate it.
+"""`jaxrl train`: start a run from its config, step it with its hooks, finish it.
 
     started = start_run(cfg, ...)    run dir, run, state (restored when resuming), preflight
-    for step in range(start, max_steps):
-        state, out = step(state, ...)    dispatch step N (returns at once: JAX runs it
-                                         asynchronously; the state is donated and returned)
-        record step N-1                  the device already works on N while the host logs;
-                                         the curriculum observes each prompt's success
-        every train.checkpoint_every steps, on SIGTERM and at the end: fetch step N's
-        metrics and save a checkpoint (asynchronous: the next step starts at once)
-        every eval.every steps: evaluate
+    for step, record in Trainer(started, recorder, train_hooks(...)).steps():
+        pass                         each step dispatched, its record made one step late
+                                     (`jaxrl.run.trainer`); the hooks (`jaxrl.run.hooks`):
+                                     preemption, curriculum, progress, the reward and
+                                     non-finite guards, checkpoint, evaluation
     save the final policy, evaluate on held-out prompts, plot, print the summary
 
 The host never waits on the device inside the loop except to fetch metrics one step late
@@ -25,16 +22,9 @@ a resumed run's metrics equal an uninterrupted run's (timings aside). An async r
 (algo.mode=async) also saves the batches it made ahead and trains them on resume
 (`async_queue.py`).
 
-Faults: an update whose loss or gradient is not finite is skipped in the program
-(`train_on`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
-`NonFiniteError` (its metrics written, no checkpoint of the diverged state). A step *fails
-its rewards* when some reward failed (raised, or returned a non-number or a value outside its
-bounds: `jaxrl.rl.rewards`) on more than `train.reward_error_frac` of the step's samples
-(reward/errors/<name> / (data.batch_size × rollout.num_generations)); after
-`train.reward_error_steps` such steps in a row the run stops with `RewardFailureError`, whose
-message holds that reward's first error (its metrics written; the count restarts on resume).
-SIGTERM (`preemption.py`) ends the run after the step in flight with a checkpoint, exit
-status 0.
+Faults (`hooks/guards.py`): too many non-finite updates or failed rewards in a row stop the
+run with its metrics written and no checkpoint of the failing state. SIGTERM (`preemption.py`)
+ends the run after the step in flight with a checkpoint, exit status 0.
 
 Before step 0, `preflight` compiles the step, checks its memory fit and counts its FLOPs;
 each step's record is made by `StepRecorder` (`recorder.py`, which defines its time/* and
@@ -44,41 +34,25 @@ perf/* metrics). Progress lines show means over the steps since the previous lin
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import jax
 from flax import nnx
 from rich.console import Console
 
 from jaxrl.config import ExperimentConfig
 from jaxrl.distributed import is_main
-from jaxrl.run import progress
-from jaxrl.run.async_queue import queue_checkpoint
 from jaxrl.run.build import policy, save_policy
 from jaxrl.run.evaluate import Evaluator, append_eval
+from jaxrl.run.hooks import NonFiniteError, RewardFailureError, TrainingStopped, train_hooks
 from jaxrl.run.metrics_log import MetricsLog, plot_rewards, summary_table
 from jaxrl.run.preemption import StopRequest
 from jaxrl.run.recorder import StepRecorder
 from jaxrl.run.run_dir import FINAL_MODEL_DIR, PLOT_FILE
 from jaxrl.run.start import Started, start_run
 from jaxrl.run.summary import run_summary
-from jaxrl.step.asynchronous import AsyncStep
+from jaxrl.run.trainer import Trainer
 
 __all__ = ["NonFiniteError", "RewardFailureError", "TrainingStopped", "train"]
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on a fault of the training itself (its metrics are written); the
-    command exits with status 1 and this message."""
-
-
-class NonFiniteError(TrainingStopped):
-    """Too many steps in a row had a non-finite loss or gradient: the run stopped."""
-
-
-class RewardFailureError(TrainingStopped):
-    """A reward failed on too many samples for too many steps in a row: the run stopped."""
 
 
 def train(cfg: ExperimentConfig, console: Console, *, name: str = "run") -> dict[str, Any]:
@@ -136,89 +110,8 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     """Steps from `started.start_step`; returns the final state, the seconds from the first
     dispatch to the last metrics, and the step a stop signal ended the run after (None: it
     ran to train.max_steps)."""
-    run, state, checkpoints = started.run, started.state, started.checkpoints
-    max_steps, every = cfg.train.max_steps, cfg.train.checkpoint_every
-    bar = progress.ProgressBar(console, max_steps, started.start_step, cfg.log.print_every)
-    recorder = StepRecorder(run, started.pre, log)
-    pending: tuple[int, Any] | None = None
-    # Each step's prompt positions (for the curriculum) and data metrics, taken at its draw.
-    drawn: dict[int, tuple[Any, dict[str, float]]] = dict(started.drawn)
-    evaluator: Evaluator | None = None
-    rewards = run.step.rewards
-    if isinstance(run.step, AsyncStep) and jax.process_count() == 1:
-        # A stop ends the fill of the queue of batches made ahead (AsyncStep) too: with a
-        # large algo.max_staleness that fill is most of the run's first step. (With several
-        # processes each fills alike; their stop comes from JAX's agreement, after a step.)
-        run.step.stop_requested = lambda: stop.signal is not None
-    failing = 0  # steps in a row that failed their rewards
-    attempted = -1  # the last step whose record was begun
-
-    def record(step: int, out: Any) -> None:
-        nonlocal failing, attempted
-        attempted = step
-        line = recorder.record(step, out, *drawn[step])
-        del drawn[step]
-        bar.add(line)
-        rewards.observe(step, line)
-        fraction, name = max((line.get(f"reward/errors/{r.name}", 0.0) / run.rows, r.name)
-                             for r in rewards.rewards)
-        failing = failing + 1 if fraction > cfg.train.reward_error_frac else 0
-        if failing >= cfg.train.reward_error_steps:
-            first = rewards.errors.get(name) or (f"reward {name!r} failed on the rows of "
-                                                 f"another process: see its log")
-            raise RewardFailureError(
-                f"step {step}: reward {name!r} failed on {fraction:.0%} of the step's samples, "
-                f"more than train.reward_error_frac={cfg.train.reward_error_frac}, "
-                f"{failing} steps in a row (train.reward_error_steps="
-                f"{cfg.train.reward_error_steps}); its first error: {first}")
-        if line["train/skipped_in_a_row"] >= cfg.train.max_skipped_in_a_row:
-            raise NonFiniteError(
-                f"step {step}: {int(line['train/skipped_in_a_row'])} steps in a row had a "
-                f"non-finite loss or gradient (their updates were skipped; "
-                f"train.max_skipped_in_a_row={cfg.train.max_skipped_in_a_row}); lower optim.lr, "
-                f"keep optim.max_grad_norm on, check the rewards for NaN, or resume from an "
-                f"earlier checkpoint")
-
-    def batch_of(step: int) -> tuple[Any, ...]:
-        """Step `step`'s device arguments, its draw noted for the curriculum (async mode
-        draws max_staleness steps ahead)."""
-        batch, placed = started.batch(step)
-        drawn[step] = (batch.all_positions_B, run.batches.metrics())
-        return (*placed, jax.random.fold_in(started.key, step))
-
-    stopped = None
-    with bar:
-        try:
-            for step in range(started.start_step, max_steps):
-                state, out = run.step.step_at(state, step, batch_of, run.ref_params)
-                if pending is not None:
-                    record(*pending)
-                pending = (step, out)
-                done = step + 1
-                stopping = stop.requested(step)
-                save = stopping or (every > 0 and (done % every == 0 or done == max_steps))
-                evaluate_now = (cfg.eval.every > 0 and done % cfg.eval.every == 0
-                                and done < max_steps and cfg.eval.num_prompts > 0
-                                and run.task.eval_rows is not None)
-                if save or evaluate_now:
-                    record(*pending)  # a checkpoint holds the curriculum's view of this step
-                    pending = None
-                if save:
-                    checkpoints.save(done, state, run.batches.state(), started.key,
-                                     queue=queue_checkpoint(run.step, drawn)
-                                     if isinstance(run.step, AsyncStep) else None)
-                if evaluate_now:
-                    evaluator = evaluator or Evaluator(run, cfg.eval)
-                    result = evaluator(policy(run.step, state)[1])
-                    log.write_scalars(done, result)
-                    append_eval(run.run_dir, done, result)
-                if stopping:
-                    stopped = done
-                    break
-        finally:
-            # Step N-1's metrics are recorded even when step N failed or was interrupted; not
-            # again when its own record failed (a full disk: the curriculum has seen it, and
-            # the error in flight is the one to report).
-            if pending is not None and attempted != pending[0]:
-                record(*pending)
-    return state, time.perf_counter() - recorder.start, stopped
+    trainer = Trainer(started, StepRecorder(started.run, started.pre, log),
+                      train_hooks(cfg, started, stop, console), cfg.train.max_steps)
+    for _ in trainer.steps():
+        pass
+    return trainer.state, trainer.seconds, trainer.stopped

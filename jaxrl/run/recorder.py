@@ -1,7 +1,6 @@
 """One step's metrics record, from the step's fetched output: shared by `train` and `bench`.
 
-    record = recorder.record(step, out, positions_B, data_metrics)
-        the curriculum observes each prompt's success and signal (out.success_P, signal_P)
+    record, host = recorder.record(step, out, data_metrics)   the record, the fetched output
         time/step_s         the interval between the end stamps of two steps on the device's
                             timeline (`jaxrl.step.clock`), else between two fetches, or as
                             measured by the caller (bench times each step on the host)
@@ -18,7 +17,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxrl.run.build import Run
 from jaxrl.run.metrics_log import MetricsLog, to_record
@@ -36,13 +34,12 @@ class StepRecorder:
         self._last_end: float | None = None
         self._last_stamps: dict[str, float] | None = None
 
-    def record(self, step: int, out: StepOutput, positions_B: np.ndarray,
-               data_metrics: dict[str, float], step_s: float | None = None,
-               ) -> dict[str, float | int]:
-        """Fetches step `step`'s output (waiting for it), writes and returns its record."""
+    def record(self, step: int, out: StepOutput, data_metrics: dict[str, float],
+               step_s: float | None = None) -> tuple[dict[str, float | int], StepOutput]:
+        """Fetches step `step`'s output (waiting for it), writes its record; returns the
+        record and the fetched output."""
         host = jax.device_get(out)
         now = time.perf_counter()
-        self.run.batches.observe(step, positions_B, host.success_P, host.signal_P)
         stamps = self.run.step.clock.pop()
         if step_s is None:
             step_s = step_seconds(stamps, self._last_end)
@@ -60,4 +57,4 @@ class StepRecorder:
         metrics.update(data_metrics)
         record = to_record(step, metrics)
         self.log.write(record)
-        return record
+        return record, host
