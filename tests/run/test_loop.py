@@ -223,7 +223,7 @@ def test_metrics_of_a_step_are_fetched_after_the_next_step_is_dispatched(fused_r
         return device_get(x)
 
     monkeypatch.setattr(start, "build_run", spying_build_run)
-    monkeypatch.setattr(loop.jax, "device_get", fetch)
+    monkeypatch.setattr(jax, "device_get", fetch)
     again = loop.train(_config(tmp_path, "eval.num_prompts=0", "log.plot=false",
                                "train.save_final=false", NO_FLOPS), _console())
     assert events == ["dispatch", "dispatch", "fetch", "dispatch", "fetch", "fetch"]
