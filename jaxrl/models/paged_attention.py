@@ -67,8 +67,7 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
     if impl != "xla":
         raise ValueError(f"attention impl must be 'xla' or 'pallas', got {impl!r}")
     s, n, h = q_SxNxH.shape
-    _, _, page_size, k2, _ = kv_pages_LxPxTx2KxH.shape
-    k = k2 // 2
+    page_size, k = kv_pages_LxPxTx2KxH.shape[2], kv_pages_LxPxTx2KxH.shape[3] // 2
     g = n // k
     max_pages = page_table_SxM.shape[1]
     block = min(pages_per_block, max_pages)
@@ -78,12 +77,7 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
     table_SxM = jnp.clip(table_SxM, 0, kv_pages_LxPxTx2KxH.shape[1] - 1)
     tokens_per_block = block * page_size
     c = min(s, slots_per_chunk or chunk_slots(s))
-    # Slots by length, longest first: block i's live slots are the first live_I[i] of them.
-    order_S = jnp.argsort(-length_S, stable=True).astype(jnp.int32)
-    blocks_S = (length_S + tokens_per_block - 1) // tokens_per_block
-    live_I = jnp.sum(blocks_S[None, :] > jnp.arange(num_blocks_total)[:, None], axis=1,
-                     dtype=jnp.int32)
-    num_blocks = jnp.sum(live_I > 0, dtype=jnp.int32)
+    order_S, live_I, num_blocks = _block_plan(length_S, tokens_per_block, num_blocks_total)
     # Head-major inside: the dots batch over (kv head, slot), the leading axes of both sides.
     q_KxSxGxH = (q_SxNxH.reshape(s, k, g, h).astype(jnp.float32) * scale).transpose(1, 0, 2, 3)
 
@@ -91,14 +85,10 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
     pool_LxPxTxKx2xH = kv_pages_LxPxTx2KxH.reshape(*kv_pages_LxPxTx2KxH.shape[:3], k, 2, h)
 
     def planes(pages_CxB, which: int):
-        """[K, C, J, H]: the keys (`which` 0) or values (1) of the pages_CxB, one gather straight into
-        the layout the dots read (gathering [C, J, 2K, H] and splitting keys from values
-        cost two transposes per layer and decode step: 3.6 -> 2.4 ms for 64 slots of 128
-        tokens, 2 KV heads, on CPU). With KV heads split over devices (`tensor`), indexing
-        the head axis would make XLA all-reduce the gathered blocks (each device would get
-        every head) at every layer and step: there the pages are gathered with all their
-        (local) heads, and keys or values taken by a reshape, at the price of the transpose
-        (measured on CPU, one device, 64 slots x 8 layers: 35 -> 44 ms)."""
+        """[K, C, J, H]: the keys (`which` 0) or values (1) of the pages_CxB, gathered straight
+        into the layout the dots read. With KV heads split over devices (`tensor`) indexing
+        the head axis would all-reduce the gathered blocks: there the pages are gathered
+        with all their local heads and split by a reshape and a transpose."""
         if heads_split:
             return pool_LxPxTxKx2xH[layer, pages_CxB, :, :, which, :].reshape(
                 -1, tokens_per_block, k, h).transpose(2, 0, 1, 3).astype(jnp.float32)
@@ -121,15 +111,9 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
         if sliding_window is not None:
             ok_CxJ &= (length_C - 1)[:, None] - key_pos_J[None, :] < sliding_window
         x_KxCxGxJ = jnp.where(ok_CxJ[None, :, None, :], x_KxCxGxJ, -jnp.inf)
-        m_old, l_old, acc_old = m_KxSxG[:, safe_C], l_KxSxG[:, safe_C], acc_KxSxGxH[:, safe_C]
-        m_new = jnp.maximum(m_old, jnp.max(x_KxCxGxJ, axis=-1))
-        # Rows with nothing seen yet keep m = -inf; shift by 0 there to avoid inf - inf.
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p_KxCxGxJ = jnp.exp(x_KxCxGxJ - shift[..., None])
-        correction = jnp.exp(m_old - shift)
-        l_new = l_old * correction + jnp.sum(p_KxCxGxJ, axis=-1)
-        acc_new = acc_old * correction[..., None] + jnp.einsum(
-            "ksgj,ksjh->ksgh", p_KxCxGxJ, v_KxCxJxH)
+        m_new, l_new, acc_new = _online_softmax(
+            m_KxSxG[:, safe_C], l_KxSxG[:, safe_C], acc_KxSxGxH[:, safe_C], x_KxCxGxJ,
+            v_KxCxJxH)
         # Each slot is in the chunk once (ranks are distinct); "no slot" writes nothing.
         m_KxSxG = m_KxSxG.at[:, slot_C].set(m_new, mode="drop")
         l_KxSxG = l_KxSxG.at[:, slot_C].set(l_new, mode="drop")
@@ -167,6 +151,35 @@ def chunk_slots(num_slots: int) -> int:
     13.39 s with one chunk of all 64, 10.42 s with chunks of 8."""
     return min(num_slots, max(8, -(-num_slots // 8)))
 
+
+
+def _block_plan(length_S: jax.Array, tokens_per_block: int, num_blocks_total: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(order_S, live_I, num_blocks): the slots longest first; how many of them reach each
+    block of `tokens_per_block` keys (block i's live slots are the first live_I[i] of
+    order_S); the blocks any slot reaches."""
+    order_S = jnp.argsort(-length_S, stable=True).astype(jnp.int32)
+    blocks_S = (length_S + tokens_per_block - 1) // tokens_per_block
+    live_I = jnp.sum(blocks_S[None, :] > jnp.arange(num_blocks_total)[:, None], axis=1,
+                     dtype=jnp.int32)
+    return order_S, live_I, jnp.sum(live_I > 0, dtype=jnp.int32)
+
+
+def _online_softmax(m_old, l_old, acc_old, x_KxCxGxJ, v_KxCxJxH):
+    """One block of keys folded into the running softmax (flash attention's update):
+
+        m' = max(m, max_j x_j)     l' = l e^(m - m') + sum_j e^(x_j - m')
+        acc' = acc e^(m - m') + sum_j e^(x_j - m') v_j          (out = acc / l at the end)
+
+    Rows with nothing seen yet keep m = -inf; they shift by 0 to avoid inf - inf."""
+    m_new = jnp.maximum(m_old, jnp.max(x_KxCxGxJ, axis=-1))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p_KxCxGxJ = jnp.exp(x_KxCxGxJ - shift[..., None])
+    correction = jnp.exp(m_old - shift)
+    l_new = l_old * correction + jnp.sum(p_KxCxGxJ, axis=-1)
+    acc_new = acc_old * correction[..., None] + jnp.einsum(
+        "ksgj,ksjh->ksgh", p_KxCxGxJ, v_KxCxJxH)
+    return m_new, l_new, acc_new
 
 def _pallas(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM, length_S, *, scale, sliding_window,
             pages_per_block):
