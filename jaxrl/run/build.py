@@ -41,12 +41,11 @@ from jaxrl.data.curriculum import LAG, make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
-from jaxrl.distributed import broadcast, is_main, sync
-from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.distributed import broadcast
+from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.hf_io import read_config
-from jaxrl.models.layers import INIT_STD
 from jaxrl.models.lora import adapter_params
-from jaxrl.perf import device_memory, format_bytes, memory_limit
+from jaxrl.perf import format_bytes, memory_limit
 from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.episodes import (
     env_rewards,
@@ -55,9 +54,10 @@ from jaxrl.run.episodes import (
     multiturn_algo,
     prompt_tools,
 )
+from jaxrl.run.init_policy import init_model, save_hf
 from jaxrl.run.placement import Placed, Placement
 from jaxrl.run.run_dir import INIT_MODEL_DIR
-from jaxrl.sharding import Layout, create_sharded, make_mesh, resolve_layout
+from jaxrl.sharding import Layout, make_mesh, resolve_layout
 from jaxrl.sharding.layout import LayoutError
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step.asynchronous import AsyncStep
@@ -107,17 +107,7 @@ def policy(step: Step | AsyncStep, state: nnx.State) -> tuple[nnx.GraphDef, nnx.
 def save_policy(run: Run, state: nnx.State, path: Path) -> Path:
     """The policy in `state` and the run's tokenizer as an HF model directory at `path`
     (written by process 0; every process takes part in gathering the weights)."""
-    return _save_hf(nnx.merge(run.step.graphdef, state).model, run.tokenizer, path)
-
-
-def _save_hf(model: nnx.Module, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
-    """`model` and `tokenizer` as an HF directory at `path`: every process gathers the
-    weights, process 0 writes, all wait until it has."""
-    save_pretrained(model, path)
-    if is_main():
-        tokenizer.save_pretrained(str(path))
-    sync(f"jaxrl: saved {path}")
-    return path
+    return save_hf(nnx.merge(run.step.graphdef, state).model, run.tokenizer, path)
 
 
 def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
@@ -133,6 +123,32 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
     layout, mesh, rollout_layout, rollout_mesh = _meshes(cfg)
+    model, tokenizer = _policy(cfg, run_dir, task, mesh, layout, console, reuse_init)
+    _describe(cfg, model, mesh, layout, rollout_mesh, rollout_layout, console)
+    spec = env_spec(cfg, task)  # multi-turn: the environment answering the turns
+    batches, placement = _prompt_batches(cfg, task, tokenizer, spec, mesh, layout, console)
+    rewards = task.reward_set(tokenizer, task.train_rows)
+    if spec is not None:
+        rewards = dataclasses.replace(rewards, rewards=[*rewards.rewards,
+                                                        *env_rewards(spec, task)])
+    ts = train_state_from_model(
+        model, cfg.optim, mesh, layout.train_rules,
+        critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None,
+        adaptive_entropy_coef=(cfg.algo.loss.entropy_coef
+                               if cfg.algo.loss.entropy_target is not None else None))
+    ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
+    graphdef, state = nnx.split(ts)
+    step = _step(cfg, graphdef, nnx.graphdef(ts.model), model.config, tokenizer, task,
+                 rewards, spec, (mesh, layout), (rollout_mesh, rollout_layout), console)
+    run = Run(cfg, run_dir, mesh, layout, tokenizer, task, model.config, batches, placement,
+              step, ref_params, rollout_mesh)
+    return run, state
+
+
+def _policy(cfg: ExperimentConfig, run_dir: Path, task: Task, mesh: Mesh, layout: Layout,
+            console: Console, reuse_init: bool) -> tuple[Transformer, PreTrainedTokenizerBase]:
+    """(the policy in the train layout, its tokenizer): `model.path`'s, or a random
+    `model.init` policy saved to <run_dir>/init_model first (module docstring)."""
     model_path = cfg.model.path
     if model_path is None:
         if task.tokenizer is None:
@@ -140,7 +156,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                               f"model.path to a local HF model directory")
         model_path = run_dir / INIT_MODEL_DIR
         if not (reuse_init and broadcast((model_path / "config.json").is_file())):
-            _init_model(cfg, task.tokenizer(), model_path, mesh, layout)
+            init_model(cfg, task.tokenizer(), model_path, mesh, layout)
             console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to "
                           f"{model_path}")
     try:
@@ -154,6 +170,12 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
                             attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
                             lora=None if cfg.model.lora is None else cfg.model.lora.build())
+    return model, tokenizer
+
+
+def _describe(cfg: ExperimentConfig, model: Transformer, mesh: Mesh, layout: Layout,
+              rollout_mesh: Mesh | None, rollout_layout: Layout, console: Console) -> None:
+    """Prints the policy's shape and mesh, its LoRA adapters, how async splits the devices."""
     model_config = model.config
     processes = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
     console.print(f"[bold]policy[/]: {model_config.model_type}, "
@@ -167,20 +189,26 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                       f"{', '.join(lora.targets)}: {adapters:,} trainable parameters "
                       f"({adapters / model_config.num_params():.2%}; the base is frozen), "
                       f"rollout {lora.rollout}")
-    if rollout_mesh is not None:
-        console.print(f"[bold]async[/]: {rollout_mesh.size} rollout devices (mesh "
-                      f"{dict(rollout_mesh.shape)}, layout {rollout_layout.name}) and "
-                      f"{mesh.size} train devices; batches trained at most "
-                      f"{cfg.algo.max_staleness} updates after the weights that made them"
-                      + ("; in-flight weight updates (each batch generated in "
-                         f"{cfg.algo.max_staleness} pieces, each with the newest weights)"
-                         if cfg.rollout.inflight_updates else ""))
-        if cfg.algo.max_staleness > 0 and not cfg.algo.loss.uses_sampler_logp:
-            console.print("[yellow]async[/]: no off-policy correction (algo.loss.correction="
-                          "tis without tis_cap): stale batches are trained as if on-policy; "
-                          "set algo.loss.tis_cap (e.g. 2.0) or algo.loss.correction=decoupled")
+    if rollout_mesh is None:
+        return
+    console.print(f"[bold]async[/]: {rollout_mesh.size} rollout devices (mesh "
+                  f"{dict(rollout_mesh.shape)}, layout {rollout_layout.name}) and "
+                  f"{mesh.size} train devices; batches trained at most "
+                  f"{cfg.algo.max_staleness} updates after the weights that made them"
+                  + ("; in-flight weight updates (each batch generated in "
+                     f"{cfg.algo.max_staleness} pieces, each with the newest weights)"
+                     if cfg.rollout.inflight_updates else ""))
+    if cfg.algo.max_staleness > 0 and not cfg.algo.loss.uses_sampler_logp:
+        console.print("[yellow]async[/]: no off-policy correction (algo.loss.correction="
+                      "tis without tis_cap): stale batches are trained as if on-policy; "
+                      "set algo.loss.tis_cap (e.g. 2.0) or algo.loss.correction=decoupled")
 
-    spec = env_spec(cfg, task)  # multi-turn: the environment answering the turns
+
+def _prompt_batches(cfg: ExperimentConfig, task: Task, tokenizer: PreTrainedTokenizerBase,
+                    spec: str | None, mesh: Mesh, layout: Layout, console: Console
+                    ) -> tuple[PromptBatches, Placement]:
+    """The tokenized prompt batches (the curriculum choosing each step's prompts, this
+    process's rows taken) and how a batch is placed on the mesh."""
     try:
         batches = PromptSource(
             task.train_rows, prompt_column="prompt", field_columns=task.field_columns,
@@ -209,26 +237,24 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                   f"({stats.num_dropped:,} of {stats.num_rows:,} dropped as longer than "
                   f"data.max_prompt_len={cfg.data.max_prompt_len}; longest kept "
                   f"{stats.longest} tokens)")
+    return batches, placement
 
-    rewards = task.reward_set(tokenizer, task.train_rows)
-    if spec is not None:
-        rewards = dataclasses.replace(rewards, rewards=[*rewards.rewards,
-                                                        *env_rewards(spec, task)])
-    ts = train_state_from_model(
-        model, cfg.optim, mesh, layout.train_rules,
-        critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None,
-        adaptive_entropy_coef=(cfg.algo.loss.entropy_coef
-                               if cfg.algo.loss.entropy_target is not None else None))
+
+def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.GraphDef,
+          model_config: ModelConfig,
+          tokenizer: PreTrainedTokenizerBase, task: Task, rewards, spec: str | None,
+          train: tuple[Mesh, Layout], rollout: tuple[Mesh | None, Layout], console: Console,
+          ) -> Step | AsyncStep:
+    """The run's step: fused/split (`build_step`), multi-turn or asynchronous."""
+    (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
     sampler_config = SamplerConfig(
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
             tokenizer, model_config, cfg.rollout.stop_token_ids),
         pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params(),
         engine=cfg.rollout.engine_config())
-    sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=rollout_mesh or mesh,
+    sampler = Sampler(model_graphdef, sampler_config, mesh=rollout_mesh or mesh,
                       rules=rollout_layout.rollout_rules)
-    ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
-    graphdef, state = nnx.split(ts)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
         cfg.algo.logprob_chunk_size, model_config.vocab_size))
     if jax.process_count() > 1 and rewards.python_rewards and algo.mode == "fused":
@@ -253,9 +279,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     else:
         step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
                           rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
-    run = Run(cfg, run_dir, mesh, layout, tokenizer, task, model_config, batches, placement,
-              step, ref_params, rollout_mesh)
-    return run, state
+    return step
 
 
 def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
@@ -281,62 +305,6 @@ def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
         raise ConfigError(f"sharding.rollout_layout={section.rollout_layout}: {e}") from None
     return (layout, make_mesh(layout, train_devices), rollout_layout,
             make_mesh(rollout_layout, rollout_devices))
-
-
-def _init_moe(init) -> dict[str, int | bool]:
-    """The mixture-of-experts fields of a random `model.init` policy (qwen3_moe only)."""
-    if init.family != "qwen3_moe":
-        return {}
-    return dict(num_experts=init.num_experts, num_experts_per_tok=init.num_experts_per_tok,
-                moe_intermediate_size=init.moe_intermediate_size,
-                norm_topk_prob=init.norm_topk_prob)
-
-
-def _init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path: Path,
-                mesh: Mesh, layout: Layout) -> Path:
-    """A random `model.init` policy for `tokenizer`, saved with it in HF format at `path`."""
-    init = cfg.model.init
-    dtype = cfg.model.dtype or "float32"
-    vocab_size = init.vocab_size or len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ConfigError(f"model.init.vocab_size={vocab_size} must be at least the "
-                          f"tokenizer's {len(tokenizer)} tokens (or null)")
-    config = ModelConfig(
-        model_type=init.family, vocab_size=vocab_size, hidden_size=init.hidden_size,
-        intermediate_size=init.intermediate_size, num_layers=init.num_layers,
-        num_heads=init.num_heads, num_kv_heads=init.num_kv_heads,
-        head_dim=init.hidden_size // init.num_heads,
-        max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.completion_budget,
-        tie_word_embeddings=init.tie_word_embeddings, rope_theta=init.rope_theta,
-        qkv_bias=init.family == "qwen2",
-        qk_norm=init.family in ("qwen3", "qwen3_moe"), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, param_dtype=dtype,
-        compute_dtype=cfg.model.compute_dtype or dtype, **_init_moe(init))
-    _check_init_fits(cfg, config, mesh)
-    model = create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(cfg.train.seed)), mesh,
-                           layout.train_rules)
-    if init.embed_std != INIT_STD:  # drawn at INIT_STD: the same draw, rescaled
-        model.embed[...] = model.embed[...] * (init.embed_std / INIT_STD)
-    return _save_hf(model, tokenizer, path)
-
-
-def _check_init_fits(cfg: ExperimentConfig, config: ModelConfig, mesh: Mesh) -> None:
-    """Refuses a `model.init` whose parameters and Adam moments (3 copies) cannot fit the
-    devices' memory even spread evenly, before any is made: XLA aborts the process on arrays
-    that large instead of raising, and making them layer by layer could take hours. (What the
-    step needs, against perf.memory_limit_gib too, is the compiled step's check.)"""
-    try:
-        limit, source = device_memory(mesh.local_devices[0])
-    except ValueError:
-        return  # unknown memory: the compiled step's check decides later
-    need = 3 * config.num_params() * jnp.dtype(config.param_dtype).itemsize
-    if need > limit * mesh.size:
-        raise ConfigError(
-            f"model.init makes a policy of {config.num_params():,} parameters "
-            f"(hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
-            f"num_layers={config.num_layers}): with Adam's two moments that is "
-            f"{format_bytes(need)}, more than the {format_bytes(limit * mesh.size)} of all "
-            f"{mesh.size} devices ({source}); choose a smaller model.init")
 
 
 def _check_lora_fits(cfg: ExperimentConfig, model_path: Path, mesh: Mesh) -> None:
