@@ -54,7 +54,7 @@ def test_runnable_block(language, code, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     for entry in ROOT.iterdir():
-        if entry.name not in ("runs", ".git") and not entry.name.startswith(".venv"):
+        if entry.name != "runs" and not entry.name.startswith("."):  # not .git, .venv, caches
             (repo / entry.name).symlink_to(entry)
     script = tmp_path / f"block.{'sh' if language == 'bash' else 'py'}"
     script.write_text(code)
