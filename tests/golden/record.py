@@ -24,6 +24,16 @@ import tests.conftest  # noqa: E402, F401  (the tests' environment, before jax s
 from tests.golden.runs import EXCLUDED, RUNS, golden_path, train  # noqa: E402
 
 
+def _cpu() -> str:
+    """The CPU's model name (XLA's CPU kernels, hence fp32 roundoff, depend on it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def record(name: str) -> Path:
     import jax
     import jaxlib
@@ -37,7 +47,8 @@ def record(name: str) -> Path:
         "devices": "1 CPU device (a jaxrl process)" if process else
                    "8 CPU devices (tests/conftest.py, jaxrl.cli.main in process)",
         "recorded_with": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                          "python": platform.python_version(), "machine": platform.machine()},
+                          "python": platform.python_version(), "machine": platform.machine(),
+                          "cpu": _cpu()},
         # Their values are null in "steps": the key was written, its value is not compared.
         "excluded": EXCLUDED,
         "steps": records,

@@ -1,4 +1,4 @@
-"""Golden metrics: small `jaxrl train` runs (the quickstart's first 50 steps; async, multi-turn,
+"""Golden metrics: small `jaxrl train` runs (the quickstart's first 64 steps; async, multi-turn,
 LoRA, MoE and GAE-critic runs of a few steps: tests/golden/runs.py) give, step by step, the
 metrics recorded in tests/golden/<name>.json before issue 41's refactor of the step, the loop
 and the config. A refactor must change no number: re-recording (tests/golden/record.py) is
