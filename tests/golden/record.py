@@ -54,8 +54,16 @@ def record(name: str) -> Path:
         "steps": records,
     }
     path = golden_path(name)
-    path.write_text(json.dumps(golden, indent=1) + "\n", encoding="utf-8")
+    path.write_text(dumps(golden), encoding="utf-8")
     return path
+
+
+def dumps(golden: dict) -> str:
+    """JSON with one line per step (a diff then shows which steps changed); Python's float
+    repr round-trips, so a value reads back bit for bit."""
+    head = json.dumps({k: v for k, v in golden.items() if k != "steps"}, indent=1)
+    steps = ",\n".join("  " + json.dumps(step) for step in golden["steps"])
+    return f'{head[:-2]},\n "steps": [\n{steps}\n ]\n}}\n'
 
 
 if __name__ == "__main__":
