@@ -1,25 +1,26 @@
-"""Golden metrics: small `jaxrl train` runs (the quickstart's first 64 steps; async, multi-turn,
-LoRA, MoE and GAE-critic runs of a few steps: tests/golden/runs.py) give, step by step, the
-metrics recorded in tests/golden/<name>.json before issue 41's refactor of the step, the loop
-and the config. A refactor must change no number: re-recording (tests/golden/record.py) is
-for an intended change of the numbers only, stated in its commit.
+"""Golden metrics: `jaxrl train` runs (the quickstart's first 64 steps and its whole run;
+async, multi-turn, LoRA, MoE and GAE-critic runs of a few steps: tests/golden/runs.py) give,
+step by step, the metrics recorded in tests/golden/<name>.json before issue 41's refactor of
+the step, the loop and the config. A refactor must change no number: re-recording
+(tests/golden/record.py) is for an intended change of the numbers only, stated in its commit.
 
 Every metric of every step is compared, with rel 1e-6, and abs 1e-6 for values near zero
 (a loss or an advantage mean of ~1e-9 has no meaningful relative error); the metrics of
 wall-clock time (runs.EXCLUDED) are not, but their keys are: a metric that appears or
-disappears fails too. The numbers are those of this machine's CPU kernels (jaxlib in the
-golden's "recorded_with"); another CPU may round fp32 differently.
+disappears fails too. The numbers are those of this machine's CPU kernels (jaxlib and CPU in
+the golden's "recorded_with"); another CPU may round fp32 differently.
 
 Tiers: the in-process runs cost a few seconds each once compiled, but 10-60 s each of
 compiling on a cold XLA cache (the MoE run most): more than the fast tier can take, so they
-are in `process` with the quickstart prefix, which starts a `jaxrl` process. The check of
-the comparison itself runs no training and is in the fast tier."""
+are in `process` with the quickstart prefix, which starts a `jaxrl` process. The whole
+quickstart (3,000 steps, minutes) is in `learning`, with the other long runs. The checks of
+the comparison and of the golden files run no training and are in the fast tier."""
 
 import math
 
 import pytest
 
-from tests.golden.runs import GOLDEN_DIR, RUNS, excluded, load_golden, train
+from tests.golden.runs import GOLDEN_DIR, LONG, RUNS, excluded, load_golden, train
 
 REL = ABS = 1e-6
 
@@ -47,8 +48,9 @@ def _both_nan(a, b) -> bool:
     return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
 
 
-@pytest.mark.process  # module docstring: compiling them all takes minutes on a cold cache
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.learning if name in LONG else pytest.mark.process)
+    for name in RUNS])  # module docstring
 def test_metrics_equal_the_golden_ones(name, tmp_path):
     golden = load_golden(name)
     config, overrides, _ = RUNS[name]
