@@ -1,0 +1,109 @@
+"""The golden runs: small deterministic `jaxrl train` runs whose every metric is recorded in
+tests/golden/<name>.json (`record.py`) and compared by tests/run/test_golden_metrics.py, so
+that a refactor of the step, the loop or the config (issue 41) can be shown to change no
+number.
+
+Each run goes through the entry point a user types, `jaxrl train CONFIG overrides`: the
+quickstart prefix as a real `jaxrl` process on one CPU device (as README runs it), the others
+through `jaxrl.cli.main` in process on the tests' 8 fake CPU devices (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN_DIR = Path(__file__).resolve().parent
+QUICKSTART = "configs/quickstart.yaml"
+TOOL = "configs/tool_multiplication.yaml"
+
+# Metrics left out of the goldens: they measure wall-clock time (or are divided by it), so
+# they differ between two runs of the same steps. Every other key of metrics.jsonl is kept,
+# deterministic counts included (perf/model_flops, perf/xla_flops, token counts, bytes).
+EXCLUDED = {
+    "time/": "wall-clock seconds of the step and its phases",
+    "perf/tokens_per_s": "tokens over the step's wall-clock seconds",
+    "perf/mfu": "model FLOPs over the step's wall-clock seconds",
+    "perf/hfu": "hardware FLOPs over the step's wall-clock seconds",
+    "tool/latency_s": "wall-clock seconds of the tool calls",
+    "env/time_s": "wall-clock seconds spent in the environment",
+    "env/wait_s": "wall-clock seconds the rollout waited for the environment",
+}
+
+
+def excluded(key: str) -> bool:
+    return any(key.startswith(prefix) if prefix.endswith("/") else key == prefix
+               for prefix in EXCLUDED)
+
+
+# Off in every run: they write files or evaluate, and none of them writes metrics.jsonl.
+QUIET = ["eval.num_prompts=0", "log.plot=false", "log.tensorboard=false",
+         "train.save_final=false", "train.checkpoint_every=0", "log.print_every=1"]
+# The quickstart shrunk to a few seconds a step on the 8-device test mesh (tests/run/test_loop).
+SMALL = ["data.batch_size=8", "data.num_prompts=64", "rollout.num_generations=4",
+         "algo.num_minibatches=2", "algo.num_iterations=1"]
+
+# Runs too long for the process tier (tests/run/test_golden_metrics.py puts them in learning).
+LONG = ("quickstart_full",)
+# name: (config, overrides, process). process: a real `jaxrl` process on one CPU device;
+# otherwise `jaxrl.cli.main` in process (8 devices).
+RUNS: dict[str, tuple[str, list[str], bool]] = {
+    # The shipped quickstart's first 64 steps, nothing else changed: its learning-rate warm-up
+    # (800 updates, 50 steps of 16) and the start of the cosine decay (optim.total_steps is
+    # fixed: the schedule does not depend on train.max_steps).
+    "quickstart": (QUICKSTART, ["train.max_steps=64", *QUIET], True),
+    # The whole shipped quickstart (3,000 steps: minutes), in the learning tier: past the end
+    # of the data's first epoch (625 steps), the curriculum's later draws, the whole schedule.
+    "quickstart_full": (QUICKSTART, QUIET, True),
+    "async": (QUICKSTART, [*SMALL, *QUIET, "train.max_steps=4", "algo.mode=async",
+                           "sharding.rollout_devices=4", "algo.max_staleness=2",
+                           "algo.loss.tis_cap=2.0"], False),
+    "multiturn": (TOOL, ["data.batch_size=4", "rollout.num_generations=4",
+                         "algo.num_minibatches=2", *QUIET, "train.max_steps=3",
+                         "sharding.layout=dp_fsdp_tp"], False),
+    "lora": (QUICKSTART, [*SMALL, *QUIET, "train.max_steps=3", "sharding.layout=fsdp",
+                          "model.lora.rank=4", "model.lora.alpha=8",
+                          "model.lora.target_modules=[.*_proj]", "optim.lr=0.05",
+                          "optim.warmup_steps=0", "algo.loss.beta=0.05"], False),
+    "moe": (QUICKSTART, [*SMALL, *QUIET, "train.max_steps=3", "sharding.layout=fsdp_ep",
+                         "model.init.family=qwen3_moe", "model.init.num_experts=4",
+                         "model.init.num_experts_per_tok=2",
+                         "model.init.moe_intermediate_size=32", "algo.router_aux_coef=0.01",
+                         "optim.warmup_steps=0"], False),
+    "gae": (QUICKSTART, [*SMALL, *QUIET, "train.max_steps=4", "sharding.layout=fsdp",
+                         "algo.advantage=gae", "algo.critic.kind=separate",
+                         "algo.critic.warmup_steps=1", "algo.mask_zero_std_groups=false",
+                         "optim.warmup_steps=0"], False),
+}
+
+
+def train(name: str, run_dir: Path) -> list[dict]:
+    """Runs `name` into run_dir (`jaxrl train CONFIG run_dir overrides`): its metrics.jsonl
+    records, the value of each excluded key replaced by None (the key is kept: a metric that
+    appears or disappears is a change too)."""
+    config, overrides, process = RUNS[name]
+    argv = ["train", str(ROOT / config), f"train.run_dir={run_dir}", *overrides]
+    if process:
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+        result = subprocess.run([str(Path(sys.executable).parent / "jaxrl"), *argv], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=3600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        from jaxrl.cli import main
+
+        assert main(argv) == 0, f"jaxrl {' '.join(argv)} failed"
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [{k: None if excluded(k) else v for k, v in r.items()} for r in records]
+
+
+def golden_path(name: str) -> Path:
+    return GOLDEN_DIR / f"{name}.json"
+
+
+def load_golden(name: str) -> dict:
+    return json.loads(golden_path(name).read_text(encoding="utf-8"))
