@@ -11,8 +11,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.config.load import fail, require_at_least
-from jaxrl.rollout.decode_loop import EngineConfig
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import EngineConfig, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

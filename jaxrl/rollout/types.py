@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SamplerConfig:
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    # The engine's batching and paging (`jaxrl.rollout.decode_loop.EngineConfig`); None:
+    # The engine's batching and paging (`jaxrl.rollout.settings.EngineConfig`); None:
     # the dense reference sampler (`jaxrl.rollout.sampler`, what the engine is tested against).
     engine: Any = None
 
