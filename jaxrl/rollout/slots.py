@@ -16,7 +16,7 @@ JetStream's engine shape, pure JAX, each op traceable into a larger compiled pro
 
 Three drivers run these ops: the RL loop (`jaxrl.rollout.decode_loop`, with its in-flight
 pieces), a server (`jaxrl.rollout.serving`, wrapped as JetStream's Engine in `jaxrl.serve`)
-and the multi-turn host loop (`jaxrl.rollout.multiturn`).
+and the multi-turn host loop (`jaxrl.step.multiturn_rollout`).
 
 The one token order. A slot holds the last token it drew (`token_S`, with its log-probs),
 which it has not fed yet; `generate` feeds it at `pos_S` and draws the next. Its completion

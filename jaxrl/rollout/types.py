@@ -45,7 +45,7 @@ class Rollout:
     logp_BxC is under the distribution sampled from (temperature, top-k, top-p applied);
     logp_raw_BxC under the model at temperature 1. Both are 0 where the mask is 0.
 
-    A multi-turn rollout (`jaxrl.rollout.multiturn`) also sets `observation_mask_BxC`: 1 on
+    A multi-turn rollout (`jaxrl.step.multiturn_rollout`) also sets `observation_mask_BxC`: 1 on
     the environments' tokens inside the completion, which the trainer attends over (they are
     in completion_mask_BxC) but never trains on (out of the loss mask; their log-probs 0).
     """
