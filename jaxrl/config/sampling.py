@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxrl.config.load import fail, require_at_least
+from jaxrl.config_base import fail, require_at_least
 from jaxrl.rollout.settings import EngineConfig, SamplingParams
 
 

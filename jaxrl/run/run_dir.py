@@ -48,7 +48,8 @@ from omegaconf import OmegaConf
 
 from jaxrl import __version__
 from jaxrl.config import ExperimentConfig, RunDirError, to_yaml
-from jaxrl.config.load import drop_removed, read_yaml
+from jaxrl.config.load import drop_removed
+from jaxrl.config_base import read_yaml
 from jaxrl.distributed import broadcast, is_main, sync
 from jaxrl.saved.files import (
     CHECKPOINT_DIR,
