@@ -76,7 +76,7 @@ def part_decode(args) -> None:
     from flax import nnx
 
     from jaxrl.models import ModelConfig, Transformer
-    from jaxrl.models.lora import LORA_MODULES, LoraConfig
+    from jaxrl.models.lora_config import LORA_MODULES, LoraConfig
     from jaxrl.rollout import Prompts, Sampler, SamplerConfig
 
     h = args.hidden

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxrl.run.run_dir import FINAL_MODEL_DIR, METRICS_FILE
+from jaxrl.saved.files import FINAL_MODEL_DIR, METRICS_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("time/", "perf/")

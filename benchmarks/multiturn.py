@@ -15,7 +15,7 @@ alternated --rounds times, median:
                   the slots' tokens to the host and gets a value back that the loop uses (what
                   a fused multi-turn program would have to do at least)
     host_loop     one jitted decode step per Python call, its tokens read on the host after
-                  each (what `jaxrl.rollout.multiturn` does; it also overlaps: it dispatches
+                  each (what `jaxrl.step.multiturn_rollout` does; it also overlaps: it dispatches
                   step k+1 before reading step k)
 
 Prints one JSON line per way: milliseconds per decode iteration and the ratio to in_program.

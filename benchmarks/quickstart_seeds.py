@@ -34,7 +34,7 @@ def main() -> None:
     from jaxrl.config import ExperimentConfig, load_config
     from jaxrl.run.loop import train
     from jaxrl.run.metrics_log import read_metrics
-    from jaxrl.run.run_dir import METRICS_FILE
+    from jaxrl.saved.files import METRICS_FILE
 
     quiet = Console(stderr=True, quiet=True)
     rows = []

@@ -206,7 +206,7 @@ def run_jaxrl(work: Path, workload: dict, warmup: int, steps: int, kind: str, *,
               run_name: str = "jaxrl_run", overrides: tuple[str, ...] = (),
               checkout: Path | None = None) -> dict:
     """`jaxrl bench` in a subprocess (from `checkout` when given); its last stdout line (JSON)."""
-    from jaxrl.run.run_dir import METRICS_FILE
+    from jaxrl.saved.files import METRICS_FILE
 
     config = jaxrl_config(work, workload, warmup + steps, kind)
     run_dir = work / run_name

@@ -259,8 +259,8 @@ def _describe(e: BaseException) -> tuple[int | None, str]:
     # Imported here: the training loop and orbax are heavy, and most commands need neither.
     from jaxrl.distributed import is_lost_peer
     from jaxrl.envs.base import EnvFailure
-    from jaxrl.run.checkpoint import RestoreError
     from jaxrl.run.loop import TrainingStopped
+    from jaxrl.saved.checkpoint import RestoreError
 
     if isinstance(e, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "[bold yellow]interrupted[/] (Ctrl-C)"

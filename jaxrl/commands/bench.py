@@ -52,8 +52,8 @@ from jaxrl.run.build import Run
 from jaxrl.run.metrics_log import MetricsLog
 from jaxrl.run.preflight import Preflight
 from jaxrl.run.recorder import StepRecorder
-from jaxrl.run.run_dir import BENCH_FILE, PROFILE_DIR
 from jaxrl.run.start import start_run
+from jaxrl.saved.files import BENCH_FILE, PROFILE_DIR
 
 # Keys of the final JSON line (a value is null when it cannot be measured honestly, e.g.
 # FLOPs when cost analysis gave none).

@@ -28,9 +28,10 @@ from rich.table import Table
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.run.build import build_run, policy
-from jaxrl.run.checkpoint import RestoreError, restore_policy
 from jaxrl.run.evaluate import Evaluator, append_eval
-from jaxrl.run.run_dir import FINAL_MODEL_DIR, INIT_MODEL_DIR, claim_to_add
+from jaxrl.run.run_dir import claim_to_add
+from jaxrl.saved.checkpoint import RestoreError, restore_policy
+from jaxrl.saved.files import FINAL_MODEL_DIR, INIT_MODEL_DIR
 
 
 def run_eval(cfg: ExperimentConfig, console: Console, *,

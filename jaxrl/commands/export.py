@@ -27,7 +27,7 @@ from jaxrl.config import ConfigError
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import save_pretrained
 from jaxrl.models.lora_peft import save_peft_adapter
-from jaxrl.run.saved_policy import load_run_policy
+from jaxrl.saved.policy import load_run_policy
 
 
 def run_export(run_dir: str | Path, out: str | Path, console: Console, *,

@@ -36,9 +36,9 @@ from jaxrl.models import from_pretrained
 from jaxrl.perf.memory import MemoryFitError, format_bytes, memory_limit
 from jaxrl.rollout import serving
 from jaxrl.rollout.slots_on_mesh import SlotSplit, batch_devices
-from jaxrl.run.checkpoint import Checkpoints
-from jaxrl.run.run_dir import FINAL_MODEL_DIR
-from jaxrl.run.saved_policy import load_run_policy
+from jaxrl.saved.checkpoint import Checkpoints
+from jaxrl.saved.files import FINAL_MODEL_DIR
+from jaxrl.saved.policy import load_run_policy
 from jaxrl.sharding import make_mesh, resolve_layout
 
 

@@ -18,9 +18,9 @@ import typing
 from typing import Literal
 
 from jaxrl.config.critic import CriticSection
-from jaxrl.config.load import fail, require_at_least
-from jaxrl.rl import PolicyLossConfig
-from jaxrl.rl.advantages import ScaleRewards
+from jaxrl.config_base import fail, require_at_least
+from jaxrl.rl.loss_config import PolicyLossConfig
+from jaxrl.rl.settings import ScaleRewards
 
 AdvantageEstimator = Literal["grpo", "rloo", "dr_grpo", "gae"]
 StepMode = Literal["fused", "split", "async"]

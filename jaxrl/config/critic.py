@@ -22,7 +22,7 @@ import math
 import typing
 from typing import Literal
 
-from jaxrl.config.load import fail
+from jaxrl.config_base import fail
 
 CriticKind = Literal["separate", "value_head"]
 

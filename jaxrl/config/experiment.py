@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.config.algo import AlgoSection, OptimSection
-from jaxrl.config.data import DataSection
 from jaxrl.config.model import ShardingSection, TrainModelSection
-from jaxrl.config.run import DistributedSection, LogSection, PerfSection, TrainSection
+from jaxrl.config.run import LogSection, PerfSection, TrainSection
 from jaxrl.config.sampling import EvalSection, RolloutSection
 from jaxrl.config.serve import ServeSection
-from jaxrl.rl.advantages import check_group_size
-from jaxrl.rl.shaping import check_overlong
+from jaxrl.data.section import DataSection
+from jaxrl.distributed.settings import DistributedSection
+from jaxrl.rl.settings import check_group_size, check_overlong
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ import dataclasses
 import re
 from typing import Literal
 
-from jaxrl.config.load import fail, require_at_least
-from jaxrl.models.lora import LORA_MODULES, LoraConfig, match_targets
+from jaxrl.config_base import fail, require_at_least
+from jaxrl.models.lora_config import LORA_MODULES, LoraConfig, match_targets
 
 DType = Literal["float32", "bfloat16", "float16"]
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]

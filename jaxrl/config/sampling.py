@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxrl.config.load import fail, require_at_least
-from jaxrl.rollout.decode_loop import EngineConfig
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.config_base import fail, require_at_least
+from jaxrl.rollout.settings import EngineConfig, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +65,7 @@ class RolloutSection(SamplingSection):
     # the steps it waits for, each piece with the newest weights (PipelineRL's in-flight
     # weight updates; jaxrl.rollout.inflight). Each token records its weight version.
     inflight_updates: bool = False
-    # Multi-turn (the task's environment or data.env; `jaxrl.rollout.multiturn`): policy turns
+    # Multi-turn (the task's environment or data.env; `jaxrl.step.multiturn_rollout`): policy turns
     # per sample, max_new_tokens each, and the completion's budget over all turns and the
     # observations between them (null: max_turns x max_new_tokens).
     max_turns: int = 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.config.load import fail, require_at_least
 from jaxrl.config.sampling import SamplingSection
+from jaxrl.config_base import fail, require_at_least
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,8 +60,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxrl.config.data import Curriculum
 from jaxrl.data.pass_rate import PassRateConfig, binomial_signal, signal_weight
+from jaxrl.data.section import Curriculum
 
 CURRICULA: tuple[Curriculum, ...] = typing.get_args(Curriculum)
 LAG = 2  # the batch of step n sees the observations of steps 0..n-LAG

@@ -33,7 +33,7 @@ from typing import Literal
 
 import jax
 
-from jaxrl.config.run import DistributedSection, is_address
+from jaxrl.distributed.settings import DistributedSection, is_address
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"

@@ -18,7 +18,8 @@ from jaxrl.models.attention_kernels import PaddedRows, cudnn_attention, splash_a
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.dense import dense
 from jaxrl.models.layers import RMSNorm, apply_rope, normal, param
-from jaxrl.models.lora import ATTENTION_MODULES, make_adapters
+from jaxrl.models.lora import make_adapters
+from jaxrl.models.lora_config import ATTENTION_MODULES
 from jaxrl.models.paged_attention import ragged_decode_attention, write_token_kv
 from jaxrl.sharding import constrain
 

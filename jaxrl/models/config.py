@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 import jax
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
-from jaxrl.models.lora import ATTENTION_MODULES, LoraConfig
+from jaxrl.models.lora_config import ATTENTION_MODULES, LoraConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")

@@ -35,7 +35,8 @@ from safetensors.numpy import save_file
 from jaxrl.models import hf_names
 from jaxrl.models.attention_kernels import resolve_attention_impl
 from jaxrl.models.config import AttentionImpl, ModelConfig, Remat, UnsupportedModelError
-from jaxrl.models.lora import LoraConfig, merged_params
+from jaxrl.models.lora_config import LoraConfig
+from jaxrl.models.lora_merge import merged_params
 from jaxrl.models.transformer import Transformer
 from jaxrl.sharding.rules import AxisRules, state_shardings
 

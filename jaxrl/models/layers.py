@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.dense import dense
-from jaxrl.models.lora import MLP_MODULES, make_adapters
+from jaxrl.models.lora import make_adapters
+from jaxrl.models.lora_config import MLP_MODULES
 from jaxrl.sharding import constrain
 
 INIT_STD = 0.02  # transformers' default initializer_range

@@ -25,70 +25,21 @@ optimizer and the gradient take `nnx.LoRAParam` (`trainable`) and the frozen bas
 `nnx.Param`. Note `nnx.LoRAParam` subclasses `nnx.Param`: a `nnx.Param` filter selects both.
 
 The rollout applies the adapters one of two ways (`LoraConfig.rollout`, benchmarks/lora.py):
-"merged" folds them into the base kernels once per step, W' = W + s · A B, and decodes on
-plain weights; "on_the_fly" adds s · (x A) B to each projection at every token.
+"merged" folds them into the base kernels once per step, W' = W + s · A B
+(`jaxrl.models.lora_merge`), and decodes on plain weights; "on_the_fly" adds s · (x A) B to
+each projection at every token.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import re
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.dense import dense
-
-# The HF projection modules an adapter can target, in a decoder layer's order.
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_MODULES = LORA_MODULES[:4]
-MLP_MODULES = LORA_MODULES[4:]
-# The HF module's parent inside a layer (`model.layers.N.<parent>.<module>`).
-HF_PARENT = {m: "self_attn" if m in ATTENTION_MODULES else "mlp" for m in LORA_MODULES}
-
-RolloutMode = Literal["merged", "on_the_fly"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """The adapters of a model: rank r, alpha (s = alpha / r), the HF modules they target,
-    how the rollout applies them, and the seed that draws A."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    rollout: RolloutMode = "merged"
-    seed: int = 0
-
-    def __post_init__(self):
-        unknown = [t for t in self.targets if t not in LORA_MODULES]
-        if unknown or not self.targets:
-            raise ValueError(f"LoRA targets {self.targets} must be a non-empty subset of "
-                             f"{LORA_MODULES}")
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank {self.rank} must be >= 1")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def match_targets(patterns: tuple[str, ...]) -> tuple[str, ...]:
-    """The HF modules (in `LORA_MODULES` order) that a pattern fully matches, by name
-    (`q_proj`) or with its parent (`self_attn.q_proj`); each pattern must match one."""
-    matched = set()
-    for pattern in patterns:
-        hits = {m for m in LORA_MODULES
-                if re.fullmatch(pattern, m) or re.fullmatch(pattern, f"{HF_PARENT[m]}.{m}")}
-        if not hits:
-            raise ValueError(f"LoRA target pattern {pattern!r} matches none of "
-                             f"{LORA_MODULES} (nor self_attn.* / mlp.* of them)")
-        matched |= hits
-    return tuple(m for m in LORA_MODULES if m in matched)
+from jaxrl.models.lora_config import LoraConfig
 
 
 def adapter_axes(module: str, config) -> tuple[tuple[tuple[int, ...], tuple], tuple[tuple[int, ...], tuple]]:
@@ -176,51 +127,3 @@ def trainable(model: nnx.Module) -> type[nnx.Variable]:
     (also of a module without a `config`)."""
     lora = getattr(getattr(model, "config", None), "lora", None)
     return nnx.LoRAParam if lora is not None else nnx.Param
-
-
-@functools.lru_cache(maxsize=16)
-def base_graphdef(config) -> nnx.GraphDef:
-    """The graph of the model of `config` without adapters (what merged weights run on)."""
-    from jaxrl.models.transformer import Transformer
-
-    base = dataclasses.replace(config, lora=None)
-    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(base, rngs=nnx.Rngs(0))))
-
-
-def merged_params(model: nnx.Module) -> nnx.State:
-    """The base parameters of `model` with its adapters folded in, W' = W + s · A B (fused
-    kernels take each part's product in its slice): the state of `base_graphdef`."""
-    scan = model.config.scan_layers
-    for block in [model.layers] if scan else list(model.layers):
-        attn, mlp = block.attn, block.mlp
-        if attn.lora is not None:
-            ad, g = attn.lora, model.config.num_heads // model.config.num_kv_heads
-            qkv = attn.qkv_kernel[...]
-            for module, part in (("q_proj", slice(0, g)), ("k_proj", g), ("v_proj", g + 1)):
-                if hasattr(ad, module):
-                    delta = getattr(ad, module).product(ad.scale).astype(qkv.dtype)
-                    qkv = qkv.at[..., part, :].add(delta)
-            attn.qkv_kernel[...] = qkv
-            if hasattr(ad, "o_proj"):
-                attn.o_kernel[...] += ad.o_proj.product(ad.scale).astype(attn.o_kernel.dtype)
-        if getattr(mlp, "lora", None) is not None:  # (a mixture of experts' MLP has none)
-            ad = mlp.lora
-            gate_up = mlp.gate_up[...]
-            for module, part in (("gate_proj", 0), ("up_proj", 1)):
-                if hasattr(ad, module):
-                    delta = getattr(ad, module).product(ad.scale).astype(gate_up.dtype)
-                    gate_up = gate_up.at[..., part, :].add(delta)
-            mlp.gate_up[...] = gate_up
-            if hasattr(ad, "down_proj"):
-                mlp.down[...] += ad.down_proj.product(ad.scale).astype(mlp.down.dtype)
-    return nnx.state(model, nnx.Not(nnx.LoRAParam))
-
-
-def rollout_view(graphdef: nnx.GraphDef, params: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params) the rollout decodes with: unchanged without LoRA or with
-    `rollout: on_the_fly`; with `merged`, the base graph and `merged_params`."""
-    model = nnx.merge(graphdef, params, copy=True)
-    lora = model.config.lora
-    if lora is None or lora.rollout == "on_the_fly":
-        return graphdef, params
-    return base_graphdef(model.config), merged_params(model)

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxrl.models.lora import HF_PARENT
+from jaxrl.models.lora_config import HF_PARENT
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

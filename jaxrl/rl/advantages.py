@@ -26,19 +26,10 @@ float mean of identical rewards need not equal them, so a computed std can be ~1
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
-ScaleRewards = Literal["group", "batch", "none"]
-
-
-def check_group_size(group_size: int) -> None:
-    """Raises unless `group_size` >= 2: every estimator here needs a group to compare with."""
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (a group-relative baseline needs at least "
-                         f"two completions per prompt), got {group_size}")
+from jaxrl.rl.settings import ScaleRewards, check_group_size
 
 
 def _groups(rewards_B: jax.Array, group_size: int) -> jax.Array:

@@ -36,7 +36,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.rl.losses import Aggregation, aggregate_tokens, token_counts
+from jaxrl.rl.loss_config import Aggregation
+from jaxrl.rl.losses import aggregate_tokens, token_counts
 
 
 def gae_advantages(rewards_B: jax.Array, values_BxC: jax.Array, mask_BxC: jax.Array,

@@ -21,12 +21,11 @@ import numbers
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxrl.rl.rewards import PythonReward
+from jaxrl.rl.reward_types import PythonReward
 
 logger = logging.getLogger("jaxrl.rewards")
 

@@ -50,13 +50,11 @@ update's H was <= target (so not the first). The state lives with the optimizer
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # losses.py imports this module
-    from jaxrl.rl.losses import PolicyLossConfig
+from jaxrl.rl.loss_config import PolicyLossConfig
 
 _LOG_MIN_W = math.log(1e-8)  # VESPO's clamp of log-weights, as TRL (the paper's 1e-8 floor)
 
@@ -143,39 +141,3 @@ def applied_entropy_coef(coef: jax.Array, last_entropy: jax.Array,
     """The coefficient an update applies: the adaptive one while the last entropy was at or
     below the target, else 0."""
     return jnp.where(last_entropy <= cfg.entropy_target, coef, 0.0)
-
-
-def check_settings(cfg: PolicyLossConfig) -> None:
-    """ValueError naming the first bad variant setting of `cfg`."""
-    cap = cfg.negative_adv_ratio_cap
-    if cap is not None and not (cfg.surrogate == "ppo_clip"
-                                and 1 + cfg.epsilon_high < cap < math.inf):
-        raise ValueError(f"negative_adv_ratio_cap caps the ratio of surrogate='ppo_clip' "
-                         f"past its clip: it must be finite and > 1 + epsilon_high = "
-                         f"{1 + cfg.epsilon_high} (e.g. 3.0), or None, got {cap} with "
-                         f"surrogate={cfg.surrogate!r}")
-    positive = ("cispo_ratio_cap", "sapo_temperature_pos", "sapo_temperature_neg",
-                "vespo_lambda_pos", "vespo_lambda_neg", "entropy_coef_delta")
-    for name in positive + ("vespo_k_pos", "vespo_k_neg", "entropy_coef_min",
-                            "entropy_coef_max"):
-        value = getattr(cfg, name)
-        if not (0 < value if name in positive else 0 <= value) or not value < math.inf:
-            raise ValueError(f"{name} must be finite and {'>' if name in positive else '>='}"
-                             f" 0, got {value}")
-    if cfg.surrogate == "vespo" and cfg.importance_level != "token":
-        raise ValueError("surrogate='vespo' weighs whole sequences by the product of their "
-                         "token ratios: importance_level must be 'token'")
-    for name in ("off_policy_kl_threshold", "entropy_target"):
-        value = getattr(cfg, name)
-        if value is not None and not 0 <= value < math.inf:
-            raise ValueError(f"{name} must be finite and >= 0, or None (off), got {value}")
-    if not 0 <= cfg.top_entropy_quantile <= 1:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1] (1: every token), "
-                         f"got {cfg.top_entropy_quantile}")
-    if cfg.entropy_target is not None:
-        if cfg.entropy_coef_min > cfg.entropy_coef_max:
-            raise ValueError(f"entropy_coef_min={cfg.entropy_coef_min} must be <= "
-                             f"entropy_coef_max={cfg.entropy_coef_max}")
-        if cfg.top_entropy_quantile < 1:
-            raise ValueError("entropy_target measures the entropy of every valid token: "
-                             "top_entropy_quantile must be 1 with it")

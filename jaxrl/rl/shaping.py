@@ -16,13 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def check_overlong(max_len: int, cache_len: int) -> None:
-    """Raises unless the soft zone lies inside the budget: 1 <= cache_len <= max_len."""
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
-    if not 1 <= cache_len <= max_len:
-        raise ValueError(f"cache_len must be in [1, max_len={max_len}], got {cache_len}")
+from jaxrl.rl.settings import check_overlong
 
 
 def overlong_penalty(lengths_B: jax.Array, max_len: int, cache_len: int) -> jax.Array:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,47 +35,11 @@ from jaxrl.models import Transformer
 from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import slots
 from jaxrl.rollout.pages import PoolLayout, own_pages
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import Batching, EngineConfig, SamplingParams
 from jaxrl.rollout.slot_count import max_concurrent_decodes, slot_tiers, tail_min_slots
 from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
 from jaxrl.sharding import constrain, use_rules
 from jaxrl.sharding.rules import active_rules
-
-Batching = Literal["continuous", "static"]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How the engine batches and pages (the static part of one rollout call)."""
-
-    max_slots: int | None = None  # None: every row at once
-    page_size: int = 16
-    batching: Batching = "continuous"
-    attention: Literal["auto", "xla", "pallas"] = "auto"
-    pages_per_block: int = 8
-    row_pages: int | None = None  # None: every slot's worst case fits at once
-    # The tail halving (`rollout`): halve down to this; None: the slot count stays; "auto":
-    # `slot_count.tail_min_slots` chooses from the call's shapes.
-    min_slots: int | Literal["auto"] | None = "auto"
-
-    def __post_init__(self):
-        if self.max_slots is not None and self.max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1 or None, got {self.max_slots}")
-        if self.min_slots != "auto" and self.min_slots is not None and (
-                isinstance(self.min_slots, str) or self.min_slots < 2):
-            raise ValueError(f"min_slots must be >= 2, 'auto' or None, got {self.min_slots!r}")
-        if self.min_slots not in (None, "auto") and self.batching == "static":
-            raise ValueError(f"min_slots={self.min_slots} shrinks continuous batching's "
-                             f"slots; with batching=static expected None")
-        if self.attention not in ("auto", "xla", "pallas"):
-            raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got "
-                             f"{self.attention!r}")
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-
-    @property
-    def read(self) -> slots.Attention:
-        return slots.Attention(self.attention, self.pages_per_block)
 
 
 @dataclasses.dataclass(frozen=True)

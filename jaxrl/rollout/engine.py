@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.models.lora import rollout_view
+from jaxrl.models.lora_merge import rollout_view
 from jaxrl.rollout import inflight
 from jaxrl.rollout.decode_loop import sample_continuous
 from jaxrl.rollout.inflight import Partial, constrain_partial

@@ -18,35 +18,14 @@ and no filter leave the logits as they are (`unchanged`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.rollout.settings import SamplingParams
 from jaxrl.sharding.rules import active_rules
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one token is drawn from the logits. `temperature == 0` is greedy."""
-
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self):
-        if not self.temperature >= 0:  # also rejects NaN, which would sample garbage silently
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or null, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or null, got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def process_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:

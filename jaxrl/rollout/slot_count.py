@@ -3,10 +3,7 @@ slots its tail moves into (`decode_loop.rollout`, `rollout.min_slots`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxrl.rollout.decode_loop import EngineConfig
+from jaxrl.rollout.settings import EngineConfig
 
 
 def max_concurrent_decodes(config: EngineConfig, num_rows: int) -> int:

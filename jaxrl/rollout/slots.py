@@ -16,7 +16,7 @@ JetStream's engine shape, pure JAX, each op traceable into a larger compiled pro
 
 Three drivers run these ops: the RL loop (`jaxrl.rollout.decode_loop`, with its in-flight
 pieces), a server (`jaxrl.rollout.serving`, wrapped as JetStream's Engine in `jaxrl.serve`)
-and the multi-turn host loop (`jaxrl.rollout.multiturn`).
+and the multi-turn host loop (`jaxrl.step.multiturn_rollout`).
 
 The one token order. A slot holds the last token it drew (`token_S`, with its log-probs),
 which it has not fed yet; `generate` feeds it at `pos_S` and draws the next. Its completion
@@ -41,7 +41,6 @@ first). Inserting into a slot first gives back the pages it still held.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +48,8 @@ from flax import struct
 
 from jaxrl.models import KVCache, PagedKV, Transformer, default_positions
 from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, take
-from jaxrl.rollout.sampling import SamplingParams, sample_rows
+from jaxrl.rollout.sampling import sample_rows
+from jaxrl.rollout.settings import Attention, SamplingParams
 from jaxrl.sharding import constrain
 
 # The pool's logical axes: its KV heads split as the model's attention reads them.
@@ -77,14 +77,6 @@ class Stops:
 
 def _isin(token_S, ids):
     return jnp.isin(token_S, jnp.asarray(ids, jnp.int32)) if ids else jnp.zeros_like(token_S, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class Attention:
-    """How `generate` reads the pool: `xla` (gathers blocks of pages) or `pallas` (TPU)."""
-
-    impl: Literal["xla", "pallas"] = "xla"
-    pages_per_block: int = 8
 
 
 @struct.dataclass

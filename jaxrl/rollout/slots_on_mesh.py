@@ -8,7 +8,7 @@
     state, out  = split.on_each(fn, state, *args)          fn(state, *args) -> (state, out_S),
                                                            every device on its own slots
 
-The drivers (`jaxrl.serve.engine`, `jaxrl.rollout.multiturn`) give the engine's ops
+The drivers (`jaxrl.serve.engine`, `jaxrl.step.multiturn_rollout`) give the engine's ops
 (`jaxrl.rollout.slots`) as `fn`, with the policy's weights in `args`: a device's ops are the
 engine's ops on one pool, its own.
 

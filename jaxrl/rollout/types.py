@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SamplerConfig:
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    # The engine's batching and paging (`jaxrl.rollout.decode_loop.EngineConfig`); None:
+    # The engine's batching and paging (`jaxrl.rollout.settings.EngineConfig`); None:
     # the dense reference sampler (`jaxrl.rollout.sampler`, what the engine is tested against).
     engine: Any = None
 
@@ -45,7 +45,7 @@ class Rollout:
     logp_BxC is under the distribution sampled from (temperature, top-k, top-p applied);
     logp_raw_BxC under the model at temperature 1. Both are 0 where the mask is 0.
 
-    A multi-turn rollout (`jaxrl.rollout.multiturn`) also sets `observation_mask_BxC`: 1 on
+    A multi-turn rollout (`jaxrl.step.multiturn_rollout`) also sets `observation_mask_BxC`: 1 on
     the environments' tokens inside the completion, which the trainer attends over (they are
     in completion_mask_BxC) but never trains on (out of the loss mask; their log-probs 0).
     """

@@ -1,3 +1,3 @@
-"""What runs around the compiled step: building a run, the loop, its directory, checkpoints,
-preemption, metrics, progress, evaluation and the preflight. `jaxrl.run.loop.train` is what
-`jaxrl train` calls."""
+"""What runs around the compiled step: building a run, the loop, claiming its directory,
+preemption, metrics, progress, evaluation and the preflight (its checkpoints and the names of
+what it saves: `jaxrl.saved`). `jaxrl.run.loop.train` is what `jaxrl train` calls."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.rollout.inflight import split_ways
-from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.saved.checkpoint import Checkpoints
 from jaxrl.step.asynchronous import AsyncStep, Produced
 
 Drawn = dict[int, tuple[np.ndarray, dict[str, float]]]  # step -> (positions_B, data metrics)

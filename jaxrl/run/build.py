@@ -56,7 +56,7 @@ from jaxrl.run.episodes import (
 )
 from jaxrl.run.init_policy import init_model, save_hf
 from jaxrl.run.placement import Placed, Placement
-from jaxrl.run.run_dir import INIT_MODEL_DIR
+from jaxrl.saved.files import INIT_MODEL_DIR
 from jaxrl.sharding import Layout, make_mesh, resolve_layout
 from jaxrl.sharding.layout import LayoutError
 from jaxrl.sharding.submeshes import split_devices

@@ -28,8 +28,8 @@ from jaxrl.envs.tool_calls import format_for, make_format
 from jaxrl.envs.tool_env import ToolsConfig
 from jaxrl.envs.tools import tool_schema
 from jaxrl.rl.rewards import JaxReward
-from jaxrl.rollout.multiturn import MultiTurnConfig
 from jaxrl.step.multiturn import Episodes, env_reward, make_environment
+from jaxrl.step.multiturn_rollout import MultiTurnConfig
 
 TOOLS_ENV = "tools"
 

@@ -50,7 +50,7 @@ from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
 from jaxrl.rollout import Rollout, Sampler, SamplerConfig
 from jaxrl.run.episodes import RowView, env_spec, prompt_tools
-from jaxrl.run.run_dir import EVAL_FILE
+from jaxrl.saved.files import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
 from jaxrl.step.multiturn import MultiTurnStep, run_episodes

@@ -47,10 +47,10 @@ from jaxrl.run.hooks import NonFiniteError, RewardFailureError, TrainingStopped,
 from jaxrl.run.metrics_log import MetricsLog, plot_rewards, summary_table
 from jaxrl.run.preemption import StopRequest
 from jaxrl.run.recorder import StepRecorder
-from jaxrl.run.run_dir import FINAL_MODEL_DIR, PLOT_FILE
 from jaxrl.run.start import Started, start_run
 from jaxrl.run.summary import run_summary
 from jaxrl.run.trainer import Trainer
+from jaxrl.saved.files import FINAL_MODEL_DIR, PLOT_FILE
 
 __all__ = ["NonFiniteError", "RewardFailureError", "TrainingStopped", "train"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from jaxrl.run.run_dir import METRICS_FILE, TENSORBOARD_DIR
+from jaxrl.saved.files import METRICS_FILE, TENSORBOARD_DIR
 
 
 def to_record(step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:

@@ -1,14 +1,5 @@
-"""The run directory: what it holds, and a new one for a new run or the same one to resume.
-
-    <run_dir>/.jaxrl-run      the claim (written first)     config.yaml    the resolved config
-              metrics.jsonl   one line per step
-              checkpoints/    orbax, one folder per step    tensorboard/   the same scalars
-              checkpoints_damaged/  unreadable checkpoints, moved out of checkpoints/
-              init_model/     the random initial policy     final_model/   the trained policy
-              eval.jsonl      one line per evaluation       reward.png     reward per step
-              bench.json      `jaxrl bench`'s result        profile/       its --profile trace
-
-Every module and command takes these names from here.
+"""The run directory of a new run, or the same one to resume (what it holds and its names:
+`jaxrl.saved.files`).
 
     prepare_run_dir(cfg, name) -> Claim(run_dir, resume, made, note)
 
@@ -52,27 +43,25 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from omegaconf import OmegaConf
 
 from jaxrl import __version__
 from jaxrl.config import ExperimentConfig, RunDirError, to_yaml
-from jaxrl.config.load import drop_removed, read_yaml
+from jaxrl.config.load import drop_removed
+from jaxrl.config_base import read_yaml
 from jaxrl.distributed import broadcast, is_main, sync
+from jaxrl.saved.files import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    INIT_MODEL_DIR,
+    MARKER_FILE,
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    has_checkpoints,
+    is_run_dir,
+)
 
-MARKER_FILE = ".jaxrl-run"
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoints"
-DAMAGED_CHECKPOINT_DIR = "checkpoints_damaged"  # outside orbax's directory: not a step
-TENSORBOARD_DIR = "tensorboard"
-INIT_MODEL_DIR = "init_model"
-FINAL_MODEL_DIR = "final_model"
-EVAL_FILE = "eval.jsonl"
-PLOT_FILE = "reward.png"
-BENCH_FILE = "bench.json"
-PROFILE_DIR = "profile"
 # What a start writes before its first step: all a half-made run directory may hold.
 _START_FILES = (MARKER_FILE, CONFIG_FILE, INIT_MODEL_DIR, CHECKPOINT_DIR, TENSORBOARD_DIR)
 # Keys a resumed run may change (prefixes end with a dot).
@@ -80,13 +69,6 @@ RESUMABLE_KEYS = ("train.run_dir", "train.max_steps", "train.checkpoint_every",
                   "train.keep_checkpoints", "train.max_skipped_in_a_row",
                   "train.reward_error_frac", "train.reward_error_steps", "train.save_final",
                   "train.target_reward", "eval.", "log.", "perf.", "distributed.")
-
-
-def has_checkpoints(run_dir: Path) -> bool:
-    """Whether `run_dir` holds at least one complete checkpoint."""
-    directory = run_dir / CHECKPOINT_DIR
-    # Finalized checkpoints only (orbax renames a checkpoint's directory when it is whole).
-    return directory.is_dir() and bool(ocp.utils.checkpoint_steps(directory.absolute()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +98,6 @@ class Claim:
                     break
         else:
             _empty(self.run_dir)
-
-
-def is_run_dir(path: Path) -> bool:
-    """Whether `path` is a jaxrl run directory: its marker, or (written before there was a
-    marker) a config.yaml beside metrics or checkpoints."""
-    return (path / MARKER_FILE).is_file() or ((path / CONFIG_FILE).is_file() and (
-        (path / METRICS_FILE).is_file() or (path / CHECKPOINT_DIR).is_dir()))
 
 
 def prepare_run_dir(cfg: ExperimentConfig, name: str) -> Claim:

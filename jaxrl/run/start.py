@@ -28,10 +28,11 @@ from jaxrl.config import ExperimentConfig, RunDirError
 from jaxrl.data.prompts import PromptBatch
 from jaxrl.run.async_queue import queue_entries, restore_queue
 from jaxrl.run.build import Run, build_run
-from jaxrl.run.checkpoint import Checkpoints, base_reference, restore_key
 from jaxrl.run.placement import Placed
 from jaxrl.run.preflight import Preflight, preflight
-from jaxrl.run.run_dir import INIT_MODEL_DIR, prepare_run_dir
+from jaxrl.run.run_dir import prepare_run_dir
+from jaxrl.saved.checkpoint import Checkpoints, base_reference, restore_key
+from jaxrl.saved.files import INIT_MODEL_DIR
 from jaxrl.step.asynchronous import AsyncStep
 
 

@@ -41,8 +41,8 @@ from jaxrl.rollout import serving, slots
 from jaxrl.rollout.engine import to_compute_dtype
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.slots_on_mesh import SlotSplit
-from jaxrl.run.run_dir import is_run_dir
-from jaxrl.run.saved_policy import load_run_policy
+from jaxrl.saved.files import is_run_dir
+from jaxrl.saved.policy import load_run_policy
 from jaxrl.serve.jetstream import engine_api, tokenizer_pb2
 from jaxrl.serve.tokenizer import HFTokenizer
 from jaxrl.sharding import AxisRules, state_shardings, use_rules

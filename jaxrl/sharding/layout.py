@@ -30,6 +30,7 @@ from jax.sharding import AxisType, Mesh
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from jaxrl.config_base import read_yaml
 from jaxrl.sharding.rules import MESH_AXES, AxisRules
 
 PRESET_DIR_ENV = "JAXRL_SHARDING_DIR"
@@ -144,8 +145,6 @@ def load_layout(name_or_path: str | os.PathLike) -> Layout:
             )
     if not path.is_file():
         raise FileNotFoundError(f"sharding layout file {str(path)!r} does not exist")
-    from jaxrl.config.load import read_yaml  # (the config package imports the rollout's)
-
     try:
         spec = OmegaConf.to_object(
             OmegaConf.merge(OmegaConf.structured(LayoutSpec),

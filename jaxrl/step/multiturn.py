@@ -3,7 +3,7 @@
     step = MultiTurnStep(cfg, graphdef, sampler, rewards, episodes=Episodes(...), ...)
     state, out = step(state, prompts, fields_P, rows_P, key)      # as `Step`
 
-    (1) rollout   on the host, `jaxrl.rollout.multiturn`: every sample's episode, its
+    (1) rollout   on the host, `jaxrl.step.multiturn_rollout`: every sample's episode, its
                   environment (`Episodes.make_env` of its dataset row) answering each turn
                   in a worker thread; observation tokens are prefilled into the sample's
                   own KV pages, never the history again
@@ -46,9 +46,9 @@ from jaxrl.envs.base import EnvFactory, EnvFailure, Environment
 from jaxrl.rl import RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.rollout.episode_rows import MultiTurnRollout
-from jaxrl.rollout.multiturn import MultiTurnConfig, rollout_multiturn
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import Step, StepOutput, score_host_rows
+from jaxrl.step.multiturn_rollout import MultiTurnConfig, rollout_multiturn
 from jaxrl.step.phases import reward_inputs
 
 ENV_REWARD_FIELD = "env_reward"

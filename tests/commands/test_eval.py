@@ -14,8 +14,8 @@ import pytest
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.commands import eval as eval_command
-from jaxrl.run.checkpoint import Checkpoints
-from jaxrl.run.run_dir import EVAL_FILE, FINAL_MODEL_DIR, INIT_MODEL_DIR
+from jaxrl.saved.checkpoint import Checkpoints
+from jaxrl.saved.files import EVAL_FILE, FINAL_MODEL_DIR, INIT_MODEL_DIR
 from tests.test_shipped_configs import ROOT
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")

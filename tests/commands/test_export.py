@@ -16,8 +16,8 @@ from rich.console import Console
 
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.models import from_pretrained
-from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
+from jaxrl.saved.checkpoint import Checkpoints
 from tests.run.test_loop import NO_FLOPS, _config
 
 QUICK = [NO_FLOPS, "log.plot=false", "log.tensorboard=false", "eval.num_prompts=0",

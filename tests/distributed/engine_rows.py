@@ -82,8 +82,8 @@ def rows(devices=None) -> dict[str, np.ndarray]:
 
 
 def main(path: str) -> None:
-    from jaxrl.config.run import DistributedSection
     from jaxrl.distributed import initialize
+    from jaxrl.distributed.settings import DistributedSection
     from jaxrl.perf.compiler import unroll_cpu_threefry
     from jaxrl.runtime import configure_xla
 

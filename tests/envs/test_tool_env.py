@@ -115,7 +115,7 @@ def test_factory_from_config_with_python_and_auto_format():
 
 
 def test_config_loads_from_yaml_and_overrides(tmp_path):
-    from jaxrl.config.load import ConfigError, load_config
+    from jaxrl.config import ConfigError, load_config
 
     @dataclasses.dataclass(frozen=True)
     class Schema:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
+from jaxrl.saved.checkpoint import Checkpoints
 from tests.distributed.test_multiprocess import (
     FAST_COMPILE,
     QUICKSTART,

@@ -16,7 +16,9 @@ from flax import nnx
 from jaxrl.config import ExperimentConfig, load_config
 from jaxrl.models import Transformer, from_pretrained, save_pretrained
 from jaxrl.models.config import UnsupportedModelError
-from jaxrl.models.lora import LORA_MODULES, LoraConfig, match_targets, rollout_view, trainable
+from jaxrl.models.lora import trainable
+from jaxrl.models.lora_config import LORA_MODULES, LoraConfig, match_targets
+from jaxrl.models.lora_merge import rollout_view
 from jaxrl.models.lora_peft import save_peft_adapter
 
 

@@ -164,7 +164,7 @@ class EchoEnv:
 def episodes(model, layout=None, num_slots=3):
     """4 prompts x 2 samples, 3 slots, temperature 1, turns end on STOP or 4 tokens (on the
     mesh of sharding `layout`, the slots split over its devices)."""
-    from jaxrl.rollout.multiturn import MultiTurnConfig, rollout_multiturn
+    from jaxrl.step.multiturn_rollout import MultiTurnConfig, rollout_multiturn
 
     prompts = PROMPTS[:4]
     ids, mask = _left_padded(prompts)

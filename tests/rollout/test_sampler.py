@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Transformer
-from jaxrl.models.lora import LORA_MODULES, LoraConfig
+from jaxrl.models.lora_config import LORA_MODULES, LoraConfig
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams, sample
 from tests.conftest import FAMILIES, make_tiny_config
 

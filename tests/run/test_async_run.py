@@ -14,8 +14,8 @@ import pytest
 
 from jaxrl.config import ConfigError, ExperimentConfig, RunDirError, load_config
 from jaxrl.run import loop
-from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
+from jaxrl.saved.checkpoint import Checkpoints
 from tests.run.test_loop import PHASE_TIMES, _console
 from tests.run.test_resume import _finish, _wait_for_steps, _without_timing
 from tests.test_shipped_configs import ROOT

@@ -18,7 +18,7 @@ from jaxrl.config import ConfigError, EvalSection, ExperimentConfig, load_config
 from jaxrl.rl import JaxReward
 from jaxrl.run.build import build_run, policy
 from jaxrl.run.evaluate import Evaluator, append_eval, pass_at_k
-from jaxrl.run.run_dir import EVAL_FILE
+from jaxrl.saved.files import EVAL_FILE
 from jaxrl.step.builder import prompt_success
 from tests.test_shipped_configs import ROOT
 

@@ -15,9 +15,9 @@ from jaxrl.config import ExperimentConfig, RunDirError, load_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.models import from_pretrained
 from jaxrl.run import loop, start, summary
-from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import moving_average, read_metrics
-from jaxrl.run.run_dir import MARKER_FILE
+from jaxrl.saved.checkpoint import Checkpoints
+from jaxrl.saved.files import MARKER_FILE
 from jaxrl.step import StepOutput
 from tests.test_shipped_configs import ROOT
 

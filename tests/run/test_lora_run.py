@@ -18,10 +18,10 @@ from rich.console import Console
 from jaxrl.cli import main
 from jaxrl.config import OptimSection
 from jaxrl.models import Transformer, from_pretrained, save_pretrained
-from jaxrl.models.lora import LORA_MODULES, LoraConfig
+from jaxrl.models.lora_config import LORA_MODULES, LoraConfig
 from jaxrl.run import loop
-from jaxrl.run.checkpoint import BaseMismatchError, base_reference
-from jaxrl.run.saved_policy import load_run_policy
+from jaxrl.saved.checkpoint import BaseMismatchError, base_reference
+from jaxrl.saved.policy import load_run_policy
 from jaxrl.step.optimizer import make_optimizer
 from jaxrl.step.state import TrainState
 from tests.run.test_loop import NO_FLOPS, _config

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.metrics_log import read_metrics
+from jaxrl.saved.checkpoint import Checkpoints
 
 pytestmark = pytest.mark.process  # each test starts `jaxrl train` and signals it
 

@@ -11,7 +11,8 @@ import pytest
 
 from jaxrl.config import ExperimentConfig, RunDirError, load_config
 from jaxrl.run import run_dir as run_dirs
-from jaxrl.run.run_dir import CONFIG_FILE, MARKER_FILE, prepare_run_dir
+from jaxrl.run.run_dir import prepare_run_dir
+from jaxrl.saved.files import CONFIG_FILE, MARKER_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxrl.models import from_pretrained
 from jaxrl.rollout import serving
 from jaxrl.rollout.sampling import SamplingParams
-from jaxrl.run.checkpoint import Checkpoints
+from jaxrl.saved.checkpoint import Checkpoints
 from jaxrl.serve.engine import EngineSpec, JetStreamEngine
 from jaxrl.serve.jetstream import engine_api, tokenizer_api, tokenizer_pb2
 from jaxrl.sharding import make_mesh, resolve_layout

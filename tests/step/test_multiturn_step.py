@@ -15,11 +15,11 @@ from jaxrl.envs.base import Observation, ToolStats
 from jaxrl.models import Transformer
 from jaxrl.rl import JaxReward, PolicyLossConfig, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
-from jaxrl.rollout.multiturn import MultiTurnConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state
 from jaxrl.step.builder import build_step
 from jaxrl.step.multiturn import Episodes, MultiTurnStep
+from jaxrl.step.multiturn_rollout import MultiTurnConfig
 from jaxrl.step.phases import reward_inputs
 from tests.conftest import make_tiny_config
 

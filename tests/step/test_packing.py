@@ -21,7 +21,7 @@ from flax import nnx
 from jaxrl.config import AlgoSection, OptimSection
 from jaxrl.config.critic import CriticSection
 from jaxrl.models import Transformer
-from jaxrl.models.lora import LORA_MODULES, LoraConfig
+from jaxrl.models.lora_config import LORA_MODULES, LoraConfig
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops
 from jaxrl.rl import JaxReward, PolicyLossConfig, RewardSet
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig

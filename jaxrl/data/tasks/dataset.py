@@ -27,7 +27,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jaxrl.config.data import DataSection
+from jaxrl.data.section import DataSection
 from jaxrl.data.sources import describe, load_rows, require_columns
 from jaxrl.data.tasks.task import Task, no_device_fields
 from jaxrl.rl.rewards import Reward

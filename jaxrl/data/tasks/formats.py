@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl.config.data import ANSWER_FORMATS, AnswerFormat
+from jaxrl.data.section import ANSWER_FORMATS, AnswerFormat
 from jaxrl.data.tasks import answers
 
 PROMPT_SUFFIXES: dict[AnswerFormat, str] = {

@@ -12,7 +12,7 @@ answer format's (formats.format_reward).
 
 from __future__ import annotations
 
-from jaxrl.config.data import AnswerFormat
+from jaxrl.data.section import AnswerFormat
 from jaxrl.data.tasks import answers, formats
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import datasets
 
-from jaxrl.config.data import AnswerFormat, DataSection
+from jaxrl.data.section import AnswerFormat, DataSection
 from jaxrl.data.tasks import competition_math, custom, formats, gsm8k
 from jaxrl.data.tasks.addition import AdditionTask, addition_reward, make_addition_tokenizer
 from jaxrl.data.tasks.dataset import dataset_task

@@ -6,8 +6,8 @@ run (algo.mode=async) also saves the batches it made ahead (`jaxrl.run.async_que
 from __future__ import annotations
 
 from jaxrl.run.async_queue import queue_checkpoint
-from jaxrl.run.checkpoint import Checkpoints
 from jaxrl.run.trainer import Hook, Trainer, every
+from jaxrl.saved.checkpoint import Checkpoints
 from jaxrl.step.asynchronous import AsyncStep
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from jaxrl.config import ExperimentConfig, load_config
 from jaxrl.run.build import build_run
-from jaxrl.run.checkpoint import Checkpoints, RestoreError, restore_key, restore_policy
+from jaxrl.saved.checkpoint import Checkpoints, RestoreError, restore_key, restore_policy
 
 TINY = ["rollout.num_generations=2", "data.num_prompts=64", "data.batch_size=8",
         "data.max_prompt_len=6", "data.chat_template=false", "perf.count_flops=false",

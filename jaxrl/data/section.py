@@ -1,4 +1,5 @@
-"""The `data` section: the task (prompts + verifier rewards) and how its prompts are batched.
+"""The `data` section: the task (prompts + verifier rewards) and how its prompts are batched;
+the data package's own frozen type, which the experiment config holds (`jaxrl.config`).
 
     task               addition (synthetic) | tool_multiplication (synthetic, multi-turn: a
                        calculator tool) | gsm8k | math (MATH-style) | custom
@@ -27,21 +28,76 @@
                        single-turn tasks)
     env_timeout_s      the longest one env.step (one turn's answer) may take; a call past it
                        ends the run naming the environment, row and turn (120 s)
-    tools              the tool environment's tools, call format and limits (`jaxrl.config.tools`)
+    tools              the tool environment's tools, call format and limits (`ToolsSection`)
 
 Everything that can be checked without reading data is checked here, when the config is made;
 the rest (columns, rows, the reward function) when the task is made.
-"""
 
+`data.tools` (`ToolsSection`): the tools a multi-turn rollout's tool environment offers
+(`jaxrl.envs`).
+
+    names              which tools: calculator (integer/float arithmetic, in process) and
+                       python (code run in a separate, limited process)
+    format             how the policy calls them: auto (from the chat template: Qwen's
+                       hermes <tool_call> JSON, Llama 3's JSON with <|eom_id|>, else tags),
+                       hermes | llama3 | tags (<call>...</call>, <result>...</result>)
+    max_calls_per_turn tool calls of one turn that run (the rest get an error observation)
+    max_result_chars   each result's text cut to this many characters (null: whole); a small
+                       model's token budget cannot hold a long error message
+    python_timeout_s, python_memory_mb, python_max_output_bytes   the python tool's limits
+    python_sandbox     bwrap: each call in a bubblewrap OS sandbox (jaxrl/envs/sandbox.py;
+                       without `bwrap` the run refuses to start, saying how to install it) |
+                       guard: the in-process audit hook alone, which is no security
+                       boundary (a warning says so)
+
+Used when the environment is `tools` (`data.env: tools`, or a task's own tool environment).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Literal, get_args
 
-from jaxrl.config.load import fail, require_at_least
-from jaxrl.config.tools import ToolsSection
+from jaxrl.config_base import fail, require_at_least
+
+ToolName = Literal["calculator", "python"]
+ToolFormat = Literal["auto", "hermes", "llama3", "tags"]
+Sandbox = Literal["bwrap", "guard"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolsSection:
+    """`data.tools` (module docstring), checked on creation."""
+
+    names: list[str] = dataclasses.field(default_factory=lambda: ["calculator"])
+    format: ToolFormat = "auto"
+    max_calls_per_turn: int = 4
+    python_timeout_s: float = 5.0
+    python_memory_mb: int = 1024
+    python_max_output_bytes: int = 4096
+    max_result_chars: int | None = None
+    python_sandbox: Sandbox = "bwrap"
+
+    def __post_init__(self):
+        known = typing.get_args(ToolName)
+        names = list(self.names)
+        if not names or any(n not in known for n in names) or len(set(names)) != len(names):
+            fail("data.tools", self, "names", f"a non-empty list of distinct tools from "
+                                              f"{list(known)}")
+        if self.format not in typing.get_args(ToolFormat):
+            fail("data.tools", self, "format", f"one of {typing.get_args(ToolFormat)}")
+        for name in ("max_calls_per_turn", "python_memory_mb", "python_max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail("data.tools", self, name, "an integer >= 1")
+        if self.max_result_chars is not None and (isinstance(self.max_result_chars, bool)
+                                                  or self.max_result_chars < 1):
+            fail("data.tools", self, "max_result_chars", "an integer >= 1, or null")
+        if not (0 < self.python_timeout_s < math.inf):
+            fail("data.tools", self, "python_timeout_s", "a finite number of seconds > 0")
+
 
 TaskName = Literal["addition", "tool_multiplication", "gsm8k", "math", "custom"]
 AnswerFormat = Literal["boxed", "tags"]  # jaxrl.data.tasks.formats

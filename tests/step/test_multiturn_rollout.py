@@ -1,8 +1,8 @@
-"""Multi-turn rollouts (`jaxrl.rollout.multiturn`, `jaxrl.rollout.slots.extend`): an observation
-appended as one chunk equals the full forward and token-by-token decoding; the token layout,
-masks and turn boundaries of a scripted environment; the sampler's log-probs equal the
-trainer's; slots waiting on an environment do not stall the others; the budget and turn
-limits; the same tokens with 1 or 4 slots, and no recompilation on a second call."""
+"""Multi-turn rollouts (`jaxrl.step.multiturn_rollout`, `jaxrl.rollout.slots.extend`): an
+observation appended as one chunk equals the full forward and token-by-token decoding; the
+token layout, masks and turn boundaries of a scripted environment; the sampler's log-probs
+equal the trainer's; slots waiting on an environment do not stall the others; the budget and
+turn limits; the same tokens with 1 or 4 slots, and no recompilation on a second call."""
 
 import threading
 import time
@@ -17,10 +17,10 @@ from jaxrl.envs.base import EnvFailure, Observation, ToolStats
 from jaxrl.models import PagedKV, Transformer
 from jaxrl.models.config import tiny_config
 from jaxrl.rollout import slots
-from jaxrl.rollout.multiturn import MultiTurnConfig, jitted_ops, rollout_multiturn
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.step.forward import completion_log_probs
+from jaxrl.step.multiturn_rollout import MultiTurnConfig, jitted_ops, rollout_multiturn
 
 EOS = 2
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31]]

@@ -5,7 +5,7 @@ import typing
 
 import pytest
 
-from jaxrl.config.data import DataSection, TaskName
+from jaxrl.data.section import DataSection, TaskName
 
 GSM8K = dict(task="gsm8k", source="openai/gsm8k", subset="main")
 

@@ -57,13 +57,13 @@ from jax.sharding import Mesh
 from jaxrl.envs.base import EnvFailure, Environment, Observation, observation_problem
 from jaxrl.models import Transformer
 from jaxrl.rollout import slots
-from jaxrl.rollout.env_calls import EnvCalls
 from jaxrl.rollout.episode_rows import MultiTurnRollout, Row, assemble
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.slots_on_mesh import SlotSplit
 from jaxrl.rollout.types import row_keys
 from jaxrl.sharding import AxisRules, state_shardings
+from jaxrl.step.env_calls import EnvCalls
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ from flax import nnx
 
 from jaxrl import __version__
 from jaxrl.distributed import is_lost_peer
-from jaxrl.run.run_dir import CHECKPOINT_DIR, DAMAGED_CHECKPOINT_DIR
+from jaxrl.saved.files import CHECKPOINT_DIR, DAMAGED_CHECKPOINT_DIR
 
 logger = logging.getLogger("jaxrl.checkpoint")
 T = TypeVar("T")

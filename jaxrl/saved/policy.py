@@ -14,8 +14,8 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, load_config
 from jaxrl.models import Transformer, from_pretrained
-from jaxrl.run.checkpoint import Checkpoints, RestoreError, base_reference
-from jaxrl.run.run_dir import CONFIG_FILE, INIT_MODEL_DIR, MARKER_FILE, is_run_dir
+from jaxrl.saved.checkpoint import Checkpoints, RestoreError, base_reference
+from jaxrl.saved.files import CONFIG_FILE, INIT_MODEL_DIR, MARKER_FILE, is_run_dir
 
 
 def load_run_policy(run_dir: str | Path, step: int | None = None
