@@ -28,76 +28,22 @@ the data package's own frozen type, which the experiment config holds (`jaxrl.co
                        single-turn tasks)
     env_timeout_s      the longest one env.step (one turn's answer) may take; a call past it
                        ends the run naming the environment, row and turn (120 s)
-    tools              the tool environment's tools, call format and limits (`ToolsSection`)
+    tools              the tool environment's tools, call format and limits: a
+                       `jaxrl.envs.ToolsConfig` (its docstring has the keys)
 
 Everything that can be checked without reading data is checked here, when the config is made;
 the rest (columns, rows, the reward function) when the task is made.
 
-`data.tools` (`ToolsSection`): the tools a multi-turn rollout's tool environment offers
-(`jaxrl.envs`).
-
-    names              which tools: calculator (integer/float arithmetic, in process) and
-                       python (code run in a separate, limited process)
-    format             how the policy calls them: auto (from the chat template: Qwen's
-                       hermes <tool_call> JSON, Llama 3's JSON with <|eom_id|>, else tags),
-                       hermes | llama3 | tags (<call>...</call>, <result>...</result>)
-    max_calls_per_turn tool calls of one turn that run (the rest get an error observation)
-    max_result_chars   each result's text cut to this many characters (null: whole); a small
-                       model's token budget cannot hold a long error message
-    python_timeout_s, python_memory_mb, python_max_output_bytes   the python tool's limits
-    python_sandbox     bwrap: each call in a bubblewrap OS sandbox (jaxrl/envs/sandbox.py;
-                       without `bwrap` the run refuses to start, saying how to install it) |
-                       guard: the in-process audit hook alone, which is no security
-                       boundary (a warning says so)
-
-Used when the environment is `tools` (`data.env: tools`, or a task's own tool environment).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from typing import Literal, get_args
 
 from jaxrl.config_base import fail, require_at_least
-
-ToolName = Literal["calculator", "python"]
-ToolFormat = Literal["auto", "hermes", "llama3", "tags"]
-Sandbox = Literal["bwrap", "guard"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolsSection:
-    """`data.tools` (module docstring), checked on creation."""
-
-    names: list[str] = dataclasses.field(default_factory=lambda: ["calculator"])
-    format: ToolFormat = "auto"
-    max_calls_per_turn: int = 4
-    python_timeout_s: float = 5.0
-    python_memory_mb: int = 1024
-    python_max_output_bytes: int = 4096
-    max_result_chars: int | None = None
-    python_sandbox: Sandbox = "bwrap"
-
-    def __post_init__(self):
-        known = typing.get_args(ToolName)
-        names = list(self.names)
-        if not names or any(n not in known for n in names) or len(set(names)) != len(names):
-            fail("data.tools", self, "names", f"a non-empty list of distinct tools from "
-                                              f"{list(known)}")
-        if self.format not in typing.get_args(ToolFormat):
-            fail("data.tools", self, "format", f"one of {typing.get_args(ToolFormat)}")
-        for name in ("max_calls_per_turn", "python_memory_mb", "python_max_output_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail("data.tools", self, name, "an integer >= 1")
-        if self.max_result_chars is not None and (isinstance(self.max_result_chars, bool)
-                                                  or self.max_result_chars < 1):
-            fail("data.tools", self, "max_result_chars", "an integer >= 1, or null")
-        if not (0 < self.python_timeout_s < math.inf):
-            fail("data.tools", self, "python_timeout_s", "a finite number of seconds > 0")
-
+from jaxrl.envs.tools_config import ToolsConfig
 
 TaskName = Literal["addition", "tool_multiplication", "gsm8k", "math", "custom"]
 AnswerFormat = Literal["boxed", "tags"]  # jaxrl.data.tasks.formats
@@ -137,7 +83,7 @@ class DataSection:
     curriculum: Curriculum = "none"  # which prompts a step takes: jaxrl.data.curriculum
     env: str | None = None  # multi-turn: "tools" or "module:attribute"; null: the task's own
     env_timeout_s: float = 120.0  # the longest one env.step may take (a hung one ends the run)
-    tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)
+    tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
 
     def __post_init__(self):
         if self.task not in get_args(TaskName):
@@ -156,8 +102,8 @@ class DataSection:
                                       "or null")
         if not (0 < self.env_timeout_s < math.inf):
             fail("data", self, "env_timeout_s", "a finite number of seconds > 0")
-        if not isinstance(self.tools, ToolsSection):
-            fail("data", self, "tools", "a ToolsSection")
+        if not isinstance(self.tools, ToolsConfig):
+            fail("data", self, "tools", "a ToolsConfig")
         if self.format not in ANSWER_FORMATS:
             fail("data", self, "format", f"one of {', '.join(ANSWER_FORMATS)}")
         if not (math.isfinite(self.format_weight) and self.format_weight >= 0):

@@ -73,8 +73,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl.envs.sandbox import SCRATCH, SandboxKind, bwrap_argv, find_bwrap
+from jaxrl.envs.sandbox import SCRATCH, bwrap_argv, find_bwrap
 from jaxrl.envs.tools import ToolResult, string_argument
+from jaxrl.envs.tools_config import SandboxKind
 
 # Runs in the child (module docstring). Its names are not in the code's globals.
 _BOOTSTRAP = r"""

@@ -39,9 +39,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Literal
 
-SandboxKind = Literal["bwrap", "guard"]
 SCRATCH = "/scratch"  # the code's writable directory inside the sandbox
 NOBODY = "65534"
 INSTALL = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install "

@@ -12,7 +12,7 @@ unknown tool, and a call beyond max_calls_per_turn answer with an error result (
 `errors`, never run). The environment holds no state between turns, so the tools (immutable)
 are shared by every sample.
 
-    ToolsConfig(tools=("python",), format="auto", ...)  ->  make_tool_env_factory(config,
+    ToolsConfig(names=["python"], format="auto", ...)  ->  make_tool_env_factory(config,
     tokenizer)  ->  factory(row) -> ToolEnv
 
 `format="auto"` picks the format from the tokenizer's chat template (tool_calls.format_for).
@@ -21,14 +21,12 @@ are shared by every sample.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from jaxrl.envs.base import EnvFactory, Observation, ToolStats
 from jaxrl.envs.calculator import Calculator
 from jaxrl.envs.python_tool import PythonTool
-from jaxrl.envs.sandbox import SandboxKind
 from jaxrl.envs.tool_calls import (
     TagsFormat,
     ToolCall,
@@ -38,59 +36,19 @@ from jaxrl.envs.tool_calls import (
     make_format,
 )
 from jaxrl.envs.tools import Tool, ToolResult
-
-ToolName = Literal["calculator", "python"]
-ToolsFormat = Literal["auto", "hermes", "llama3", "tags"]  # auto: tool_calls.format_for
+from jaxrl.envs.tools_config import ToolsConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class ToolsConfig:
-    """Which tools, in which call format, with which limits (the python tool's are per call)."""
-
-    tools: tuple[ToolName, ...] = ("calculator",)
-    format: ToolsFormat = "auto"
-    max_calls_per_turn: int = 4
-    python_timeout_s: float = 5.0
-    python_memory_mb: int = 1024
-    python_max_output_bytes: int = 4096
-    max_result_chars: int | None = None  # a result's text is cut to this (None: whole)
-    python_sandbox: SandboxKind = "bwrap"  # the python tool's (jaxrl/envs/sandbox.py)
-
-    def __post_init__(self):
-        object.__setattr__(self, "tools", tuple(self.tools))
-        known = typing.get_args(ToolName)
-        if not self.tools:
-            raise ValueError(f"ToolsConfig.tools is empty; expected some of {list(known)}")
-        for name in self.tools:
-            if name not in known:
-                raise ValueError(f"ToolsConfig.tools: unknown tool {name!r}; expected one of "
-                                 f"{list(known)}")
-        if len(set(self.tools)) != len(self.tools):
-            raise ValueError(f"ToolsConfig.tools lists a tool twice: {list(self.tools)}")
-        if self.format not in typing.get_args(ToolsFormat):
-            raise ValueError(f"ToolsConfig.format={self.format!r}; expected one of "
-                             f"{typing.get_args(ToolsFormat)}")
-        if self.python_sandbox not in typing.get_args(SandboxKind):
-            raise ValueError(f"ToolsConfig.python_sandbox={self.python_sandbox!r}; expected one "
-                             f"of {typing.get_args(SandboxKind)}")
-        for field in ("max_calls_per_turn", "python_timeout_s", "python_memory_mb",
-                      "python_max_output_bytes"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"ToolsConfig.{field} must be > 0, got {getattr(self, field)}")
-        if self.max_result_chars is not None and self.max_result_chars < 1:
-            raise ValueError(f"ToolsConfig.max_result_chars must be >= 1 or None, got "
-                             f"{self.max_result_chars}")
-
-    def build_tools(self) -> tuple[Tool, ...]:
-        """The configured tools, in order."""
-        builders = {
-            "calculator": Calculator,
-            "python": lambda: PythonTool(timeout_s=self.python_timeout_s,
-                                         memory_mb=self.python_memory_mb,
-                                         max_output_bytes=self.python_max_output_bytes,
-                                         sandbox=self.python_sandbox),
-        }
-        return tuple(builders[name]() for name in self.tools)
+def build_tools(config: ToolsConfig) -> tuple[Tool, ...]:
+    """The configured tools, in order."""
+    builders = {
+        "calculator": Calculator,
+        "python": lambda: PythonTool(timeout_s=config.python_timeout_s,
+                                     memory_mb=config.python_memory_mb,
+                                     max_output_bytes=config.python_max_output_bytes,
+                                     sandbox=config.python_sandbox),
+    }
+    return tuple(builders[name]() for name in config.names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +116,7 @@ class ToolEnv:
 def make_tool_env_factory(config: ToolsConfig, tokenizer: Any = None) -> EnvFactory:
     """A factory of ToolEnvs with `config`'s tools and format (auto: from `tokenizer`'s chat
     template; the tags format learns the tool names)."""
-    tools = config.build_tools()
+    tools = build_tools(config)
     fmt = format_for(tokenizer) if config.format == "auto" else make_format(config.format)
     if isinstance(fmt, TagsFormat):
         fmt = dataclasses.replace(fmt, tool_names=tuple(tool.name for tool in tools))

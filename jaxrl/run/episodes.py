@@ -25,8 +25,9 @@ from jaxrl.envs.base import EnvFailure
 from jaxrl.envs.registry import resolve_env
 from jaxrl.envs.sandbox import SandboxUnavailable
 from jaxrl.envs.tool_calls import format_for, make_format
-from jaxrl.envs.tool_env import ToolsConfig
+from jaxrl.envs.tool_env import build_tools
 from jaxrl.envs.tools import tool_schema
+from jaxrl.envs.tools_config import ToolsConfig
 from jaxrl.rl.rewards import JaxReward
 from jaxrl.step.multiturn import Episodes, env_reward, make_environment
 from jaxrl.step.multiturn_rollout import MultiTurnConfig
@@ -67,16 +68,6 @@ def multiturn_algo(cfg: ExperimentConfig, spec: str, console: Console) -> AlgoSe
     return algo
 
 
-def tools_config(cfg: ExperimentConfig) -> ToolsConfig:
-    t = cfg.data.tools
-    return ToolsConfig(tools=tuple(t.names), format=t.format,
-                       max_calls_per_turn=t.max_calls_per_turn,
-                       python_timeout_s=t.python_timeout_s, python_memory_mb=t.python_memory_mb,
-                       python_max_output_bytes=t.python_max_output_bytes,
-                       max_result_chars=t.max_result_chars,
-                       python_sandbox=t.python_sandbox)
-
-
 def prompt_tools(cfg: ExperimentConfig, spec: str | None) -> tuple[dict, ...] | None:
     """The tool environment's function schemas for the prompts' chat template; None for
     another environment or none. Builds the tools, so a python tool without its sandbox
@@ -84,7 +75,7 @@ def prompt_tools(cfg: ExperimentConfig, spec: str | None) -> tuple[dict, ...] | 
     if spec != TOOLS_ENV:
         return None
     try:
-        tools = tools_config(cfg).build_tools()
+        tools = build_tools(cfg.data.tools)
     except SandboxUnavailable as e:
         raise ConfigError(f"data.tools.names={list(cfg.data.tools.names)} includes python: {e}; "
                           f"or set data.tools.python_sandbox=guard (an in-process guard, no "
@@ -121,7 +112,7 @@ def env_rewards(spec: str, task: Task) -> list[JaxReward]:
 def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
                   tokenizer: PreTrainedTokenizerBase, eos_ids: tuple[int, ...]) -> Episodes:
     """The environments and turn limits of the run's multi-turn rollout."""
-    tools = tools_config(cfg)
+    tools = cfg.data.tools
     try:
         builder = resolve_env(spec)
     except ValueError as e:

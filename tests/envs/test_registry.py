@@ -4,7 +4,8 @@ import pytest
 
 from jaxrl.envs.base import Observation
 from jaxrl.envs.registry import make_env_factory, register_env, registered_envs, resolve_env
-from jaxrl.envs.tool_env import ToolsConfig, make_tool_env_factory
+from jaxrl.envs.tool_env import make_tool_env_factory
+from jaxrl.envs.tools_config import ToolsConfig
 
 NOT_CALLABLE = 3
 

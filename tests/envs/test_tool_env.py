@@ -9,8 +9,9 @@ from jaxrl.envs.base import Observation, ToolStats
 from jaxrl.envs.calculator import Calculator
 from jaxrl.envs.python_tool import PythonTool
 from jaxrl.envs.tool_calls import HermesFormat, Llama3Format, TagsFormat
-from jaxrl.envs.tool_env import ToolEnv, ToolsConfig, make_tool_env_factory
+from jaxrl.envs.tool_env import ToolEnv, make_tool_env_factory
 from jaxrl.envs.tools import ToolResult, string_argument, tool_schema
+from jaxrl.envs.tools_config import ToolsConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def test_tags_unnamed_call_needs_a_single_tool():
 
 
 def test_factory_from_config_with_python_and_auto_format():
-    config = ToolsConfig(tools=("calculator", "python"), python_timeout_s=2.0)
+    config = ToolsConfig(names=["calculator", "python"], python_timeout_s=2.0)
     factory = make_tool_env_factory(config, tokenizer=None)  # no chat template: tags
     env = factory({"prompt": "unused"})
     assert isinstance(env.format, TagsFormat)
@@ -122,21 +123,22 @@ def test_config_loads_from_yaml_and_overrides(tmp_path):
         tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
 
     path = tmp_path / "c.yaml"
-    path.write_text("tools:\n  tools: [calculator, python]\n  format: hermes\n")
+    path.write_text("tools:\n  names: [calculator, python]\n  format: hermes\n")
     config = load_config(Schema, path, ["tools.python_timeout_s=3"]).tools
-    assert config == ToolsConfig(tools=("calculator", "python"), format="hermes",
+    assert config == ToolsConfig(names=["calculator", "python"], format="hermes",
                                  python_timeout_s=3.0)
     with pytest.raises(ConfigError, match="tools.format"):
         load_config(Schema, path, ["tools.format=json"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tools": ()}, "tools is empty"),
-    ({"tools": ("shell",)}, "unknown tool 'shell'"),
-    ({"tools": ("python", "python")}, "lists a tool twice"),
-    ({"format": "json"}, "format='json'"),
-    ({"max_calls_per_turn": 0}, "max_calls_per_turn must be > 0"),
-    ({"python_timeout_s": -1.0}, "python_timeout_s must be > 0"),
+    ({"names": []}, r"data.tools.names must be a non-empty list of distinct tools"),
+    ({"names": ["shell"]}, r"names must be .* from \['calculator', 'python'\], got \['shell'\]"),
+    ({"names": ["python", "python"]}, r"names must be a non-empty list of distinct"),
+    ({"format": "json"}, r"data.tools.format must be one of .*, got 'json'"),
+    ({"python_sandbox": "none"}, r"data.tools.python_sandbox must be one of"),
+    ({"max_calls_per_turn": 0}, r"max_calls_per_turn must be an integer >= 1, got 0"),
+    ({"python_timeout_s": -1.0}, r"python_timeout_s must be a finite number of seconds > 0"),
 ])
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -159,5 +161,5 @@ def test_results_are_cut_to_max_result_chars():
     assert cut.text == "<result>error: i</result>" and cut.tools.errors == 1
     whole = ToolEnv([Calculator()], TagsFormat()).step("<call>12**</call>")
     assert whole.text.startswith("<result>error: invalid syntax") and len(whole.text) > 30
-    with pytest.raises(ValueError, match="max_result_chars must be >= 1"):
+    with pytest.raises(ValueError, match="max_result_chars must be an integer >= 1, or null"):
         ToolsConfig(max_result_chars=0)
