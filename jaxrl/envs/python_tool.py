@@ -47,12 +47,10 @@ Every failure is an error result with a short message, never an exception or a s
                                                (in the sandbox an exit status 128 + N is
                                                read as signal N, as shells do)
 
-Overhead: one call of `print(1+1)` took 36 ms at best and 50-90 ms typically (median of 30)
-on the shared 2-core VM it was measured on, almost all of it interpreter start-up with
-site-packages (`python -I -c pass` alone: 26 ms there); the sandbox adds ~6 ms (bwrap
-0.8, measured 2026-12-05). tests/envs/test_python_tool.py prints it. The tool suits tens of
-calls per second per core, not thousands. Calls from several threads run concurrently (one
-child each).
+Overhead: a call costs an interpreter's start-up (tens of ms, mostly site-packages) plus
+the sandbox's few ms (benchmarks/README.md; tests/envs/test_python_tool.py prints it): the
+tool suits tens of calls per second per core, not thousands. Calls from several threads run
+concurrently (one child each).
 """
 
 from __future__ import annotations

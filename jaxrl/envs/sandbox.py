@@ -6,7 +6,8 @@ Why an OS sandbox: the code a policy writes is optimised for reward, and an in-p
 (a Python audit hook in the trainer's own user and PID namespace) has holes a policy finds:
 reading `/proc/<trainer>/environ`, writing through `dir_fd` forms, `_posixsubprocess` and
 `pidfd_send_signal` have no audit event. Peers run such code in containers or sandbox
-services (verl, SkyRL); bubblewrap gives the same kernel isolation per call, in ~6 ms:
+services (verl, SkyRL); bubblewrap gives the same kernel isolation per call, in a few ms
+(benchmarks/README.md, the python tool in its OS sandbox):
 
     namespaces   new user, PID, network, IPC, UTS, cgroup and mount namespaces
                  (`--unshare-all --unshare-user`); no network but loopback; the code sees

@@ -7,16 +7,11 @@ of w is a batch axis. Its gradients are the einsums into the operands' own axes,
 with autodiff's sums, written so that XLA:CPU moves less data: dw contracts over the tokens,
 the major axis of both x and dy, and XLA:CPU's dot transposes its first operand into
 [features, tokens] for that. Autodiff always puts dy first, for an expanding projection the
-wide one (gate/up: [4096, 1536] dy against [4096, 256] x in the vs-TRL step, 4 x ~17 ms);
-here the narrower of the two goes first. GPU/TPU dots take either order without a copy.
+wide one (gate/up: dy is [tokens, 6E] against x's [tokens, E]); here the narrower of the two
+goes first. GPU/TPU dots take either order without a copy.
 
 Outputs are checkpoint-named `DENSE`, which the "save_dots" remat policy saves (a custom-VJP
 call is no dot to `dots_with_no_batch_dims_saveable`).
-
-Tried and not kept: cutting the fused q/k/v projection's output into its parts inside the
-custom VJP, so that their gradients meet their own slices of w instead of being concatenated
-(`pad_add_fusion`, 4 x ~8 ms): the three smaller backward dots brought more copies than the
-concatenation they saved (vs-TRL copies 8.9-9.8% against 7.7-7.8%, alternated).
 """
 
 from __future__ import annotations

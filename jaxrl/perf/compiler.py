@@ -32,17 +32,11 @@ import pkgutil
 OFF_ENV = "JAXRL_COMPILER_FLAGS"
 FLAGS_ENV = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
-# XLA:CPU. Empty: nothing tried won clearly and repeatably (2 vCPUs, AMD EPYC, jaxlib 0.10.2,
-# 2026-12-02; interleaved A/B of `jaxrl bench configs/quickstart.yaml --steps 30 --warmup 3
-# perf.count_flops=false` and of the vs-TRL workload's bench; benchmarks/README.md, "XLA
-# compiler flags on CPU"). This jaxlib already sends dots to YNNPACK fusions, and XNNPACK
-# dot/eltwise/reduce fusions, XNNPACK graph fusion (greedy), oneDNN thunks and the
-# FAST_RUNTIME preset left the compiled code byte-identical (the quickstart step program's
-# HLO and objects, checked for XNNPACK fusion; an MLP's value_and_grad for all four; every
-# arm's metrics bit-identical): their A/B spread (0.46-1.12x) is the machine's noise. YNNPACK eltwise/reduce fusions do change the program
-# and its results (by fp32 roundoff: 4.9e-4 on log-softmax row sums of ~2e3): out, since
-# jaxrl's results must not depend on this table (timed anyway, in the README's section).
-# `--xla_cpu_use_thunk_runtime` is deprecated and ignored (XLA warns) in this jaxlib.
+# XLA:CPU. Empty: nothing tried won clearly and repeatably (benchmarks/README.md, "XLA
+# compiler flags on CPU", has the flags, the commands and the numbers). This jaxlib already
+# sends dots to YNNPACK fusions, so the XNNPACK, oneDNN and FAST_RUNTIME options left the
+# compiled code byte-identical; YNNPACK's eltwise/reduce fusions change the results (by fp32
+# roundoff), and jaxrl's results must not depend on this table.
 CPU_FLAGS: tuple[str, ...] = ()
 
 # XLA:GPU. Not measured here: no GPU/TPU was available (2026-12-02);
@@ -140,10 +134,9 @@ def unroll_cpu_threefry() -> bool:
 
     JAX lowers it on CPU as a 5-trip loop (jax/_src/random/threefry2x32.py: less to compile),
     whose two carries XLA:CPU copies every trip: in the sampler's Gumbel noise, [rows, vocab]
-    u32 each, per decode step. Unrolled, the vs-TRL step's copies fell from 10.0-10.2% to
-    8.2-8.3% of its device time (44 ms of 2.4 s; `jaxrl bench <vs_trl config> --profile`,
-    alternated; benchmarks/README.md), compile time unchanged within noise. The same integer
-    operations in the same order: the random bits are identical (tests/perf/test_compiler.py).
+    u32 each, per decode step; unrolled, those copies go (benchmarks/README.md has the
+    measurement). The same integer operations in the same order: the random bits are
+    identical (tests/perf/test_compiler.py).
     """
     try:
         from jax._src.interpreters import mlir

@@ -49,8 +49,7 @@ class PoolLayout:
         `row_pages` None: enough for every slot's worst case at once (no row ever waits for
         pages). Fewer pages are allowed down to one worst-case row. A page is at most as long
         as the longest row's cache (prompt_len + max_new_tokens - 1 tokens): longer, the
-        decode step would read padding only (measured on the CPU quickstart, 6 + 4 tokens
-        with pages of 16: +1 ms of its 8 ms rollout).
+        decode step would read padding only.
         """
         if page_size < 1:
             raise ValueError(f"rollout.page_size must be >= 1, got {page_size}")

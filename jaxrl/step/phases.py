@@ -141,7 +141,7 @@ def train_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array) ->
 def _scan(f, init, xs, length=None):
     """`jax.lax.scan`, or for one step f called as it is (outputs with the scan's leading
     axis of 1): XLA keeps a one-trip loop, whose carry it copies in (the optimizer state's
-    moments, weight-sized: ~25 ms of the vs-TRL step on CPU)."""
+    moments, weight-sized)."""
     n = length if xs is None else jax.tree.leaves(xs)[0].shape[0]
     if n != 1:
         return jax.lax.scan(f, init, xs, length=length)
@@ -328,13 +328,10 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         if cfg.entropy_decay_start is not None:
             metrics["entropy_coef"] = entropy_coef
         # A non-finite loss or gradient skips the update: every parameter, moment and count
-        # keeps its value. With one update per step, a conditional; inside the updates' loop,
-        # an elementwise select of new against old. Measured on CPU, alternated: the select
-        # fused into each parameter's update reads the old moments there while the moments'
-        # own update writes them in place, so XLA copied every moment first (vs-TRL step, one
-        # update: train 1.12-1.20 s with the conditional against 1.21-1.35 s); in the loop the
-        # conditional was the slower (quickstart, 8 updates a step: median step 111-120 ms
-        # against 98-115 ms, although the profile's summed op time was lower; why, not found).
+        # keeps its value. With one update per step, a conditional (a select fused into each
+        # parameter's update reads the old moments while their own update writes them in
+        # place, so XLA copies every moment first); inside the updates' loop, an elementwise
+        # select of new against old, which measured faster there than the conditional.
         finite = jnp.isfinite(metrics["grad_norm"])
         for name, value in metrics.items():
             if name.startswith(("loss/", "value/loss")):
