@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config.algo import resolve_logprob_chunk
+from jaxrl.config.plan import plan
 from jaxrl.data.curriculum import LAG, make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
@@ -51,7 +52,6 @@ from jaxrl.run.episodes import (
     env_rewards,
     env_spec,
     make_episodes,
-    multiturn_algo,
     prompt_tools,
 )
 from jaxrl.run.init_policy import init_model, save_hf
@@ -257,19 +257,18 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
                       rules=rollout_layout.rollout_rules)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
         cfg.algo.logprob_chunk_size, model_config.vocab_size))
-    if jax.process_count() > 1 and rewards.python_rewards and algo.mode == "fused":
-        # The fused program's reward callback would run on one process over the whole
-        # batch; split mode scores each process's own rows between its two programs.
-        algo = dataclasses.replace(algo, mode="split")
-        console.print(f"[bold]algo.mode[/]: split (Python rewards on {jax.process_count()} "
-                      f"processes: each scores its own rows; same results as fused)")
+    # Decided once: the fused program's reward callback would run on one process over the
+    # whole batch, and one compiled program cannot wait for environments (`plan`).
+    run_plan = plan(cfg, env=spec, python_rewards=bool(rewards.python_rewards),
+                    processes=jax.process_count())
+    if run_plan.describe() is not None:
+        console.print(run_plan.describe())
     if spec is not None:
-        algo = multiturn_algo(dataclasses.replace(cfg, algo=algo), spec, console)
         step = MultiTurnStep(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
                              rules=layout.train_rules, phase_times=_phase_times(cfg, mesh),
                              episodes=make_episodes(cfg, spec, task, tokenizer, stop_token_ids(
                                  tokenizer, model_config, ())))
-    elif rollout_mesh is not None:
+    elif run_plan.mode == "async":
         step = AsyncStep(algo, graphdef, sampler, rewards, optim=cfg.optim,
                          train=(mesh, layout.train_rules),
                          rollout=(rollout_mesh, rollout_layout.rollout_rules),
@@ -278,7 +277,8 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
                          phase_times=_phase_times(cfg, mesh))
     else:
         step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
-                          rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
+                          rules=layout.train_rules, phase_times=_phase_times(cfg, mesh),
+                          mode=run_plan.mode)
     return step
 
 

@@ -1,7 +1,7 @@
 """A multi-turn run's pieces from its config: the environment of each sample, the turn limits.
 
     spec = env_spec(cfg, task)                    data.env, else the task's own; None: one turn
-    algo = multiturn_algo(cfg, spec, console)     split mode (the host runs the environments)
+                                                  (the run's mode: `jaxrl.config.plan`)
     episodes = make_episodes(cfg, spec, task, tokenizer, eos_ids)
 
 A turn ends at an EOS id, at `rollout.stop_token_ids`, or at an end tag of the tool format
@@ -11,14 +11,9 @@ the tokenizer: the rollout stops a slot on a token id.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
-from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.config.algo import AlgoSection
 from jaxrl.data.tasks.task import Task
 from jaxrl.data.tokenizer import pad_token_id
 from jaxrl.envs.base import EnvFailure
@@ -45,27 +40,6 @@ def env_spec(cfg: ExperimentConfig, task: Task) -> str | None:
                           f"{TOOLS_ENV!r}, or \"module:attribute\"); data.task={task.name} has "
                           f"none of its own")
     return spec
-
-
-def multiturn_algo(cfg: ExperimentConfig, spec: str, console: Console) -> AlgoSection:
-    """`cfg.algo` for a multi-turn run: fused becomes split (with a note); async, PPO's
-    critic and several processes are refused (ConfigError)."""
-    algo = cfg.algo
-    why = f"multi-turn rollouts (environment {spec!r})"
-    if algo.mode == "async":
-        raise ConfigError(f"{why} run in algo.mode=split (the host answers the turns between "
-                          f"programs); got algo.mode=async")
-    if algo.advantage == "gae":
-        raise ConfigError(f"{why} are trained with group advantages (grpo, rloo, dr_grpo); "
-                          f"algo.advantage=gae would need values on observation tokens")
-    if jax.process_count() > 1:
-        raise ConfigError(f"{why} run in one process for now; this run has "
-                          f"{jax.process_count()}")
-    if algo.mode == "fused":
-        console.print(f"[bold]algo.mode[/]: split ({why}: the host runs the environments "
-                      f"between turns, which one compiled program cannot; same updates)")
-        algo = dataclasses.replace(algo, mode="split")
-    return algo
 
 
 def prompt_tools(cfg: ExperimentConfig, spec: str | None) -> tuple[dict, ...] | None:

@@ -114,9 +114,8 @@ class AsyncStep:
         self.piece_steps = -(-sampler.config.max_new_tokens // max(max_staleness, 1))
         # Split mode's train program: score (host rewards scored between the programs),
         # advantages, updates.
-        self.trainer = Step(dataclasses.replace(cfg, mode="split"), graphdef, sampler, rewards,
-                            optim=optim, mesh=self.mesh, rules=self.rules,
-                            phase_times=phase_times)
+        self.trainer = Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=self.mesh,
+                            rules=self.rules, phase_times=phase_times, mode="split")
         self.clock = self.trainer.clock
         self._watcher = (concurrent.futures.ThreadPoolExecutor(1, "jaxrl-weight-sync")
                          if self.clock.enabled else None)

@@ -128,15 +128,19 @@ class Step:
 
     `state` is the TrainState's `nnx.State` and is donated (invalid after the call);
     `ref_params` (`reference_params(ts)`) is needed only when `cfg.loss.beta > 0`. `programs`
-    holds the jitted functions (one when fused, two when split).
+    holds the jitted functions (one when fused, two when split). `mode`: fused or split, as
+    the run's plan decided (`jaxrl.config.plan`; None: `cfg.mode`).
     """
 
     def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler,
                  rewards: RewardSet, *, optim: OptimSection | None = None,
                  mesh: Mesh | None = None, rules: AxisRules | None = None,
-                 phase_times: bool = True):
+                 phase_times: bool = True, mode: str | None = None):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
+        self.mode = cfg.mode if mode is None else mode
+        if self.mode not in ("fused", "split"):
+            raise ValueError(f"a Step runs in mode fused or split, got {self.mode!r}")
         self.cfg, self.graphdef, self.rewards = cfg, graphdef, rewards
         self.mesh, self.rules = mesh, rules
         self._schedule = None if optim is None else learning_rate_schedule(optim)
@@ -149,7 +153,7 @@ class Step:
         the old sampler can be reused)."""
         self.sampler = sampler
         self._compiled: dict[str, Any] = {}
-        if self.cfg.mode == "fused":
+        if self.mode == "fused":
             self._fused = jax.jit(functools.partial(Step._fused_body, self), donate_argnums=0)
             self.programs: tuple[Callable[..., Any], ...] = (self._fused,)
         else:
@@ -160,7 +164,7 @@ class Step:
     def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
                  rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
                  ) -> tuple[nnx.State, StepOutput]:
-        if self.cfg.mode == "fused":
+        if self.mode == "fused":
             fused = self._compiled.get("step", self._fused)
             return fused(state, prompts, fields_P, rows_P, key, ref_params)
         rollout, inputs = self._compiled.get("generate", self._generate)(
@@ -181,7 +185,7 @@ class Step:
                 ) -> dict[str, Any]:
         """{name: jax Compiled} of the program(s) for these arguments ("step", or "generate"
         and "train"), compiled now and run by every later call; nothing is executed."""
-        if self.cfg.mode == "fused":
+        if self.mode == "fused":
             self._compiled = {"step": self._fused.lower(
                 state, prompts, fields_P, rows_P, key, ref_params).compile()}
             return dict(self._compiled)
@@ -290,12 +294,14 @@ class Step:
 
 def build_step(cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet,
                *, optim: OptimSection | None = None, mesh: Mesh | None = None,
-               rules: AxisRules | None = None, phase_times: bool = True) -> Step:
-    """The RL step of `cfg.mode` for the TrainState `graphdef` (see the module docstring).
+               rules: AxisRules | None = None, phase_times: bool = True,
+               mode: str | None = None) -> Step:
+    """The RL step of `mode` (None: `cfg.mode`) for the TrainState `graphdef` (see the
+    module docstring).
 
     `sampler` is built on `nnx.graphdef(ts.model)` (with the rollout rules on a mesh); `rules`
     are the train rules; `optim` only adds the `lr` metric; `phase_times` puts the phase
     stamps (host callbacks) into the programs.
     """
     return Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=mesh, rules=rules,
-                phase_times=phase_times)
+                phase_times=phase_times, mode=mode)

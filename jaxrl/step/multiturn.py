@@ -94,11 +94,9 @@ class MultiTurnStep(Step):
 
     def __init__(self, cfg, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet, *,
                  episodes: Episodes, **kwargs):
-        if cfg.mode != "split":
-            raise ValueError(f"a multi-turn step runs in algo.mode=split, got {cfg.mode}")
         self.episodes = episodes
         self.env_rewards = any(r.name == "env" for r in rewards.rewards)
-        super().__init__(cfg, graphdef, sampler, rewards, **kwargs)
+        super().__init__(cfg, graphdef, sampler, rewards, mode="split", **kwargs)
         self.last_rollout: MultiTurnRollout | None = None
 
     def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],

@@ -1,0 +1,63 @@
+"""`plan(cfg, ...)`: how a run's step is assembled, decided once from its config and printed
+once (`RunPlan.describe`); nothing later changes it (the step takes `plan.mode` as given).
+
+    algo.mode    fused   one program (rollout, rewards, updates); with Python rewards on
+                         several processes: split (each process scores its own rows between
+                         the two programs; the same results)
+                 split   two programs, the host between them
+                 async   rollout and updates on two sub-meshes (`sharding.rollout_devices`)
+    multi-turn   (an environment answers the turns, `data.env` or the task's own): split,
+                 the host runs the environments between turns; async, algo.advantage=gae and
+                 several processes are refused
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxrl.config.experiment import ExperimentConfig
+from jaxrl.config_base import ConfigError
+
+Mode = Literal["fused", "split", "async"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """How the step is assembled: its `mode`, the environment of a multi-turn run (None:
+    single-turn), whether an async rollout takes in-flight weight updates, and why the mode
+    differs from `algo.mode` (None: it does not)."""
+
+    mode: Mode
+    env: str | None = None
+    inflight: bool = False
+    why: str | None = None
+
+    def describe(self) -> str | None:
+        """The line the run prints once when the mode is not the one asked for."""
+        return None if self.why is None else f"[bold]algo.mode[/]: {self.mode} ({self.why})"
+
+
+def plan(cfg: ExperimentConfig, *, env: str | None, python_rewards: bool,
+         processes: int) -> RunPlan:
+    """The run's `RunPlan` (module docstring); a combination that cannot run is a
+    ConfigError naming it and what to use instead."""
+    mode, why = cfg.algo.mode, None
+    if processes > 1 and python_rewards and mode == "fused":
+        mode, why = "split", (f"Python rewards on {processes} processes: each scores its own "
+                              f"rows; same results as fused")
+    if env is not None:
+        turns = f"multi-turn rollouts (environment {env!r})"
+        if mode == "async":
+            raise ConfigError(f"{turns} run in algo.mode=split (the host answers the turns "
+                              f"between programs); got algo.mode=async")
+        if cfg.algo.advantage == "gae":
+            raise ConfigError(f"{turns} are trained with group advantages (grpo, rloo, "
+                              f"dr_grpo); algo.advantage=gae would need values on observation "
+                              f"tokens")
+        if processes > 1:
+            raise ConfigError(f"{turns} run in one process for now; this run has {processes}")
+        if mode == "fused":
+            mode, why = "split", (f"{turns}: the host runs the environments between turns, "
+                                  f"which one compiled program cannot; same updates")
+    return RunPlan(mode, env, cfg.rollout.inflight_updates and mode == "async", why)
