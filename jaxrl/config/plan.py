@@ -50,13 +50,14 @@ def plan(cfg: ExperimentConfig, *, env: str | None, python_rewards: bool,
         turns = f"multi-turn rollouts (environment {env!r})"
         if mode == "async":
             raise ConfigError(f"{turns} run in algo.mode=split (the host answers the turns "
-                              f"between programs); got algo.mode=async")
+                              f"between programs); got algo.mode=async: use algo.mode=split")
         if cfg.algo.advantage == "gae":
             raise ConfigError(f"{turns} are trained with group advantages (grpo, rloo, "
                               f"dr_grpo); algo.advantage=gae would need values on observation "
-                              f"tokens")
+                              f"tokens: use algo.advantage=grpo, rloo or dr_grpo")
         if processes > 1:
-            raise ConfigError(f"{turns} run in one process for now; this run has {processes}")
+            raise ConfigError(f"{turns} run in one process for now; this run has {processes}: "
+                              f"run it as one process (its devices on one host)")
         if mode == "fused":
             mode, why = "split", (f"{turns}: the host runs the environments between turns, "
                                   f"which one compiled program cannot; same updates")

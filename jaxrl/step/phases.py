@@ -297,10 +297,16 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
         def accumulate(carry, mb):
             def at(rows):  # the microbatch's gradient, packed into `rows` rows (None: padded)
                 def grad(state):
-                    model = nnx.merge(graphdef, state, copy=True).trainable()
+                    targets = nnx.merge(graphdef, state, copy=True).trainable()
+                    if not isinstance(targets, tuple):
+                        return nnx.value_and_grad(
+                            loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
+                            targets, mb, num_tokens, num_seqs, entropy_coef, rows)
+                    # (policy, critic) as two arguments, each with its own filter (`wrt`).
                     return nnx.value_and_grad(
-                        loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-                        model, mb, num_tokens, num_seqs, entropy_coef, rows)
+                        lambda policy, critic, *rest: loss_fn((policy, critic), *rest),
+                        argnums=(nnx.DiffState(0, wrt[0]), nnx.DiffState(1, wrt[1])),
+                        has_aux=True)(*targets, mb, num_tokens, num_seqs, entropy_coef, rows)
                 return grad
 
             if budgets:  # the smallest packed shape that holds it (`jaxrl.step.packing`)

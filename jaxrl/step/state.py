@@ -74,13 +74,13 @@ class TrainState(nnx.Module):
         """What the loss is differentiated with respect to: the policy, or (policy, critic)."""
         return self.model if self.critic is None else (self.model, self.critic)
 
-    def wrt(self) -> nnx.filterlib.Filter:
+    def wrt(self) -> nnx.filterlib.Filter | tuple[nnx.filterlib.Filter, nnx.filterlib.Filter]:
         """Which parameters of `trainable()` get gradients: the policy's optimizer's (with
-        LoRA the adapters only) and every parameter of a critic."""
+        LoRA the adapters only), and (policy's, critic's) with a critic: every parameter of
+        the critic. One filter per module: nnx's paths inside a tuple do not name its index,
+        so one filter over (policy, critic) cannot tell the two apart."""
         policy = trainable(self.model)
-        if self.critic is None or policy is nnx.Param:
-            return policy
-        return lambda path, x: isinstance(x, policy if path[0] == 0 else nnx.Param)
+        return policy if self.critic is None else (policy, nnx.Param)
 
     def apply_gradients(self, grads: nnx.State | tuple[nnx.State, nnx.State],
                         critic_warmup_updates: int = 0) -> None:

@@ -98,3 +98,34 @@ def test_fused_equals_split_bitwise_with_a_critic():
     for f, s in zip(fused_history, split_history, strict=True):
         assert f.keys() == s.keys()
         jax.tree.map(np.testing.assert_array_equal, s, f)
+
+
+def test_a_lora_policy_trains_its_adapters_beside_a_separate_critic():
+    """LoRA + a separate critic: the policy's gradient is its adapters' only and the
+    critic's every parameter (one filter each: nnx's paths inside the (policy, critic) tuple
+    do not name the tuple's index, so one filter over both once took every policy parameter
+    and failed to match the adapters' optimizer)."""
+    from jaxrl.models.lora_config import LORA_MODULES, LoraConfig
+
+    config = dataclasses.replace(CONFIG, lora=LoraConfig(4, 8.0, LORA_MODULES))
+    cfg = dataclasses.replace(PPO, critic=CriticSection(kind="separate", warmup_steps=1))
+    ts = create_train_state(lambda: Transformer(config, rngs=nnx.Rngs(0, lora=1)), OPTIM,
+                            _mesh("single"), load_layout("single").train_rules,
+                            critic=cfg.critic)
+
+    def parts(ts):
+        base = nnx.to_pure_dict(nnx.state(ts.model, nnx.Not(nnx.LoRAParam)))
+        adapters = nnx.to_pure_dict(nnx.state(ts.model, nnx.LoRAParam))
+        critic = nnx.to_pure_dict(nnx.state(ts.critic, nnx.Param))
+        return jax.tree.map(np.asarray, (base, adapters, critic))
+
+    before = parts(ts)
+    graphdef, state = nnx.split(ts)
+    step = build_step(cfg, graphdef, Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS,
+                      optim=OPTIM, phase_times=False)
+    for i in range(2):  # the critic's warm-up, then both
+        state, out = step(state, *_inputs(i))
+        assert np.isfinite(jax.device_get(out.metrics)["grad_norm"])
+    base, adapters, critic = parts(nnx.merge(graphdef, state))
+    jax.tree.map(np.testing.assert_array_equal, base, before[0])  # the base stays frozen
+    assert any(_changed(adapters, before[1])) and any(_changed(critic, before[2]))
