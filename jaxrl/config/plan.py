@@ -57,7 +57,7 @@ def plan(cfg: ExperimentConfig, *, env: str | None, python_rewards: bool,
                               f"tokens: use algo.advantage=grpo, rloo or dr_grpo")
         if processes > 1:
             raise ConfigError(f"{turns} run in one process for now; this run has {processes}: "
-                              f"run it as one process (its devices on one host)")
+                              f"use one process (its devices on one host)")
         if mode == "fused":
             mode, why = "split", (f"{turns}: the host runs the environments between turns, "
                                   f"which one compiled program cannot; same updates")
