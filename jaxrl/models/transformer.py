@@ -6,8 +6,8 @@ Flax NNX module.
     logits = rmsnorm(x) @ (embed^T if tied else lm_head)
 
 Two entry points share all code: `__call__` (training/scoring: the given tokens only) and
-`extend` (sampling: append tokens to a preallocated KV cache and attend over it; prefill is
-`extend` of the prompt on an empty cache, decoding is `extend` of one token).
+`extend` (sampling: append tokens to a KV cache and attend over it; prefill is `extend` of
+the prompt on an empty cache, decoding `extend` of one token).
 `hidden_states_shared_prompt` is the training forward of G rows per prompt with the prompt
 run once per group (GRPO's rows share their prompt: its work shrinks G-fold). With
 `scan_layers` the layers are stacked on a leading `layers` axis and run by `nnx.scan`, so
@@ -15,8 +15,7 @@ compile time does not grow with depth. `remat` rematerialises each block for the
 pass of the uncached forward (`__call__`, `hidden_states`): it changes what is saved vs
 recomputed, never the numbers; `extend` takes no gradients and runs without it. Logits are
 always float32. For a mixture of experts, `hidden_states(..., router_stats=True)` (and its
-shared-prompt twin) also return the router statistics summed over layers
-(`jaxrl.models.moe.router_stats`), carried through the layers beside x.
+shared-prompt twin) also return the router statistics summed over layers (`moe.router_stats`).
 """
 
 from __future__ import annotations
