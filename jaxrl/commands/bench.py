@@ -104,7 +104,7 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
                 jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
                 tracing = True
             start = time.perf_counter()
-            state, out = run.step.step_at(state, i, batch_of, run.ref_params)
+            state, out = run.step(state, i, batch_of, run.ref_params)
             jax.block_until_ready(out)
             step_s = time.perf_counter() - start
             batch, data_metrics = drawn.pop(i)

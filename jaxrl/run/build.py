@@ -60,9 +60,10 @@ from jaxrl.saved.files import INIT_MODEL_DIR
 from jaxrl.sharding import Layout, make_mesh, resolve_layout
 from jaxrl.sharding.layout import LayoutError
 from jaxrl.sharding.submeshes import split_devices
-from jaxrl.step.asynchronous import AsyncStep
-from jaxrl.step.builder import Step, build_step
-from jaxrl.step.multiturn import MultiTurnStep
+from jaxrl.step.asynchronous import QueuedRollouts
+from jaxrl.step.builder import Step
+from jaxrl.step.multiturn import EpisodeRollouts
+from jaxrl.step.sources import InGraph, Jitted, RolloutSource
 from jaxrl.step.state import reference_params, train_state_from_model
 
 
@@ -79,7 +80,7 @@ class Run:
     model_config: ModelConfig
     batches: PromptBatches
     placement: Placement
-    step: Step | AsyncStep
+    step: Step
     ref_params: nnx.State | None  # the frozen KL reference (algo.loss.beta > 0), else None
     rollout_mesh: Mesh | None = None  # algo.mode=async: the generating devices (`mesh` trains)
 
@@ -98,7 +99,7 @@ class Run:
         return self.placement.place(batch, self.cfg.data.batch_size)
 
 
-def policy(step: Step | AsyncStep, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+def policy(step: Step, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of the policy model inside a train `state` (not a copy: do not
     donate it)."""
     return nnx.split(nnx.merge(step.graphdef, state).model)
@@ -244,8 +245,8 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
           model_config: ModelConfig,
           tokenizer: PreTrainedTokenizerBase, task: Task, rewards, spec: str | None,
           train: tuple[Mesh, Layout], rollout: tuple[Mesh | None, Layout], console: Console,
-          ) -> Step | AsyncStep:
-    """The run's step: fused/split (`build_step`), multi-turn or asynchronous."""
+          ) -> Step:
+    """The run's step: the learner, with the rollout source of the run's plan."""
     (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
     sampler_config = SamplerConfig(
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
@@ -264,22 +265,18 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
     if run_plan.describe() is not None:
         console.print(run_plan.describe())
     if spec is not None:
-        step = MultiTurnStep(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
-                             rules=layout.train_rules, phase_times=_phase_times(cfg, mesh),
-                             episodes=make_episodes(cfg, spec, task, tokenizer, stop_token_ids(
-                                 tokenizer, model_config, ())))
+        source: RolloutSource = EpisodeRollouts(
+            sampler, make_episodes(cfg, spec, task, tokenizer, stop_token_ids(
+                tokenizer, model_config, ())),
+            env_rewards=any(r.name == "env" for r in rewards.rewards))
     elif run_plan.mode == "async":
-        step = AsyncStep(algo, graphdef, sampler, rewards, optim=cfg.optim,
-                         train=(mesh, layout.train_rules),
-                         rollout=(rollout_mesh, rollout_layout.rollout_rules),
-                         max_staleness=algo.max_staleness,
-                         inflight_updates=cfg.rollout.inflight_updates,
-                         phase_times=_phase_times(cfg, mesh))
+        source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_layout.rollout_rules),
+                                max_staleness=algo.max_staleness,
+                                inflight_updates=cfg.rollout.inflight_updates)
     else:
-        step = build_step(algo, graphdef, sampler, rewards, optim=cfg.optim, mesh=mesh,
-                          rules=layout.train_rules, phase_times=_phase_times(cfg, mesh),
-                          mode=run_plan.mode)
-    return step
+        source = InGraph(sampler) if run_plan.mode == "fused" else Jitted(sampler)
+    return Step(algo, graphdef, source, rewards, optim=cfg.optim, mesh=mesh,
+                rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
 
 
 def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:

@@ -53,7 +53,7 @@ from jaxrl.run.episodes import RowView, env_spec, prompt_tools
 from jaxrl.saved.files import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
-from jaxrl.step.multiturn import MultiTurnStep, run_episodes
+from jaxrl.step.multiturn import run_episodes
 from jaxrl.step.phases import reward_inputs
 
 if TYPE_CHECKING:
@@ -119,8 +119,8 @@ class Evaluator:
         self.sampler = _sampler(run.step.sampler.graphdef, config, run.mesh,
                                 run.layout.rollout_rules)
         self._episodes = None
-        if isinstance(run.step, MultiTurnStep):  # the same environments, on held-out rows
-            episodes = run.step.episodes
+        if run.step.source.episodes is not None:  # the same environments, on held-out rows
+            episodes = run.step.source.episodes
             slots = min(episodes.config.num_slots, cfg.batch_size * n)
             self._episodes = dataclasses.replace(
                 episodes, rows=RowView(rows),

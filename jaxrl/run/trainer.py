@@ -5,7 +5,7 @@ periodic work of a run is a list of hooks (`jaxrl.run.hooks`).
     for step, record in trainer.steps():   step N's record, made after step N+1 was dispatched
         ...                                (the host logs while the device works: nanodo's way)
 
-Each step: dispatch step N (`step_at` returns at once; the state is donated and carried),
+Each step: dispatch step N (the step call returns at once; the state is donated and carried),
 make step N-1's record (fetching it waits for N-1 only), then, in the hooks' order, every
 hook that is due after N+1 steps (`Hook.due`) runs `after_step`; one that reads the run's
 state as of step N (`needs_record`: a checkpoint holds the curriculum's view of N, an
@@ -90,7 +90,7 @@ class Trainer:
                     stack.enter_context(hook)
             try:
                 for step in range(self.started.start_step, self.max_steps):
-                    self.state, out = self.run.step.step_at(self.state, step, self._batch_of,
+                    self.state, out = self.run.step(self.state, step, self._batch_of,
                                                             self.run.ref_params)
                     if pending is not None:
                         yield self._record(*pending)

@@ -1,6 +1,6 @@
 """The asynchronous step's batches: what a batch is, one made or in flight, its staleness.
 
-`Produced` is a queue entry of `jaxrl.step.asynchronous.AsyncStep` (and, via `saved`, what
+`Produced` is a queue entry of `jaxrl.step.asynchronous.QueuedRollouts` (and, via `saved`, what
 `jaxrl.run.async_queue` checkpoints); `token_staleness` the per-token staleness metrics of a
 batch generated with in-flight weight updates.
 """

@@ -1,14 +1,14 @@
 """Rollout and training on two sub-meshes, batch n trained on a rollout at most k updates old.
 
     rollout_devices, train_devices = split_devices(4)            # jaxrl.sharding.submeshes
-    step = AsyncStep(cfg, graphdef, sampler, rewards, optim=optim,
-                     train=(train_mesh, train_rules), rollout=(rollout_mesh, rollout_rules))
+    source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_rules), max_staleness=1)
+    step = Step(cfg, graphdef, source, rewards, optim=optim, mesh=train_mesh, rules=train_rules)
     for n in range(num_steps):
         state, out = step(state, n, batch_of)       # batch_of(m) -> (prompts, fields_P, rows_P, key)
 
-Two compiled programs on disjoint devices: *generate* (the sampler, on the rollout mesh, from
-a copy of the weights held there) and *train* (split mode's score + advantages + updates, on
-the train mesh). The schedule is fixed by `max_staleness` k, so a run is deterministic:
+A rollout source (`jaxrl.step.sources`) of the step: two compiled programs on disjoint
+devices, *generate* (the sampler, on the rollout mesh, from a copy of the weights held
+there) and the step's *train* program (score + advantages + updates, on the train mesh). The schedule is fixed by `max_staleness` k, so a run is deterministic:
 
     call n:  sync       the train state's weights (n updates) -> the rollout mesh, a
                         device-to-device copy (`jaxrl.sharding.submeshes.move`; no host)
@@ -69,31 +69,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.config import AlgoSection, OptimSection
-from jaxrl.rl import RewardSet
 from jaxrl.rollout import Prompts, Sampler
 from jaxrl.rollout.inflight import Partial, partial_shardings
 from jaxrl.sharding import AxisRules, state_shardings
 from jaxrl.sharding.submeshes import move
 from jaxrl.step.async_batches import Batch, Produced, token_staleness
-from jaxrl.step.builder import Step, StepOutput, score_host_rows
-from jaxrl.step.phases import generate, reward_inputs
+from jaxrl.step.phases import reward_inputs
+from jaxrl.step.sources import Made, RolloutSource, generate_traced
 
 
-class AsyncStep:
-    """`step(state, n, batch_of) -> (new_state, StepOutput)` (module docstring).
+class QueuedRollouts(RolloutSource):
+    """The rollout source of algo.mode=async (module docstring).
 
-    `sampler` is built on the rollout mesh with the rollout rules; `state` (the TrainState's
-    `nnx.State`, donated) lives on the train mesh. Calls must come in order n = 0, 1, ...
-    from the step the queue was made at. Like `Step` it has `cfg`, `graphdef`, `mesh` and
-    `rules` (the train side's), `sampler`, `clock`, `compile`, `compiled`, `use_sampler`.
+    `sampler` is built on the rollout mesh with the rollout rules (`rollout`); the step's
+    state (donated) and train program live on the step's mesh, the train side.
     """
 
-    def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler,
-                 rewards: RewardSet, *, optim: OptimSection | None = None,
-                 train: tuple[Mesh, AxisRules], rollout: tuple[Mesh, AxisRules],
-                 max_staleness: int = 1, inflight_updates: bool = False,
-                 phase_times: bool = False):
+    keeps_queue = True
+
+    def __init__(self, sampler: Sampler, *, rollout: tuple[Mesh, AxisRules],
+                 max_staleness: int = 1, inflight_updates: bool = False):
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or \
                 max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
@@ -102,56 +97,42 @@ class AsyncStep:
                              f"within one step otherwise), got {max_staleness}")
         if inflight_updates and sampler.config.engine is None:
             raise ValueError("inflight_updates needs the engine (SamplerConfig.engine)")
-        if set(train[0].devices.flat) & set(rollout[0].devices.flat):
-            raise ValueError("the train and rollout meshes share devices; split them with "
-                             "jaxrl.sharding.submeshes.split_devices")
-        self.cfg, self.graphdef, self.rewards = cfg, graphdef, rewards
-        self.mesh, self.rules = train
         self.rollout_mesh, self.rollout_rules = rollout
         self.max_staleness = max_staleness
         self.inflight = inflight_updates
         # Decode iterations of each piece but a batch's last (which runs to the end).
         self.piece_steps = -(-sampler.config.max_new_tokens // max(max_staleness, 1))
-        # Split mode's train program: score (host rewards scored between the programs),
-        # advantages, updates.
-        self.trainer = Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=self.mesh,
-                            rules=self.rules, phase_times=phase_times, mode="split")
-        self.clock = self.trainer.clock
-        self._watcher = (concurrent.futures.ThreadPoolExecutor(1, "jaxrl-weight-sync")
-                         if self.clock.enabled else None)
         self.queue: collections.deque[Produced] = collections.deque()
         self.next_step = 0  # the next batch to produce
-        # Whether a stop (SIGTERM, Ctrl-C) was asked for; the loop sets it (`stop_requested`).
-        self.stop_requested: Callable[[], bool] = lambda: False
         self.sync_bytes = 0
-        self.use_sampler(sampler)
+        self._watcher = None
+        super().__init__(sampler)
 
-    @property
-    def num_devices(self) -> int:
-        """Devices of both sides."""
-        return self.mesh.size + self.rollout_mesh.size
+    def bind(self, step) -> None:
+        if step.mesh is None:
+            raise ValueError("an async step needs the train mesh and rules (Step mesh=, rules=)")
+        if set(step.mesh.devices.flat) & set(self.rollout_mesh.devices.flat):
+            raise ValueError("the train and rollout meshes share devices; split them with "
+                             "jaxrl.sharding.submeshes.split_devices")
+        self.clock = step.clock
+        self._watcher = (concurrent.futures.ThreadPoolExecutor(1, "jaxrl-weight-sync")
+                         if self.clock.enabled else None)
+        super().bind(step)
 
     def use_sampler(self, sampler: Sampler) -> None:
-        """Generates with `sampler` from now on (compiled again, like `Step.use_sampler`)."""
-        self.sampler = sampler
-        self.trainer.use_sampler(sampler)
-        self._generate = jax.jit(functools.partial(AsyncStep._generate_body, self))
-        self._start = jax.jit(functools.partial(AsyncStep._start_body, self))
+        super().use_sampler(sampler)
+        self._generate = jax.jit(functools.partial(QueuedRollouts._generate_body, self))
+        self._start = jax.jit(functools.partial(QueuedRollouts._start_body, self))
         self._resume = jax.jit(sampler.resume_traced, donate_argnums=1)
-        self._finish = jax.jit(functools.partial(AsyncStep._finish_body, self))
-        self.programs = ((self._start, self._resume, self._finish) if self.inflight
-                         else (self._generate,)) + (self.trainer._train,)
-        self._compiled: dict[str, Any] = {}
+        self._finish = jax.jit(functools.partial(QueuedRollouts._finish_body, self))
+
+    @property
+    def programs(self) -> tuple[Callable[..., Any], ...]:
+        return (self._start, self._resume, self._finish) if self.inflight else (self._generate,)
 
     def _generate_body(self, params, prompts, fields_P, rows_P, key):
         # The sampler lays out its own work by the rollout rules (`Sampler`).
-        ids_BxP = self.clock.stamp("start", jnp.sum(prompts.mask_BxP, dtype=jnp.int32),
-                                   prompts.ids_BxP)
-        rollout = generate(self.sampler, params, Prompts(ids_BxP, prompts.mask_BxP), key)
-        rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
-            "generated", rollout.num_steps, rollout.completion_ids_BxC))
-        return rollout, reward_inputs(rollout, fields_P, rows_P,
-                                      self.sampler.config.num_generations)
+        return generate_traced(self.sampler, self.clock, params, prompts, fields_P, rows_P, key)
 
     def _start_body(self, params, prompts, key, version, stop_at):
         ids_BxP = self.clock.stamp("start", jnp.sum(prompts.mask_BxP, dtype=jnp.int32),
@@ -167,7 +148,7 @@ class AsyncStep:
                                       self.sampler.config.num_generations), version_BxC
 
     def _rollout_params(self, state: nnx.State) -> nnx.State:
-        return nnx.state(nnx.merge(self.graphdef, state).model, nnx.Param)
+        return nnx.state(nnx.merge(self.step.graphdef, state).model, nnx.Param)
 
     def sync(self, state: nnx.State) -> nnx.State:
         """The policy's weights, resharded from the train mesh onto the rollout mesh."""
@@ -230,12 +211,14 @@ class AsyncStep:
             entry.partial = (partial, fields_P, rows_P)
             self._finish_if_due(entry, call)
 
-    def __call__(self, state: nnx.State, step: int, batch_of: Callable[[int], Batch],
-                 ref_params: nnx.State | None = None) -> tuple[nnx.State, StepOutput]:
+    def next(self, state: nnx.State, step: int, batch_of: Callable[[int], Batch],
+             layout: Any | None) -> Made:
+        """Syncs the weights, makes the batches due (module docstring) and hands over batch
+        `step`, moved onto the train mesh, with its staleness metrics."""
         if self.queue and self.queue[0].step != step or not self.queue and \
                 self.next_step not in (0, step):
-            raise ValueError(f"AsyncStep called for step {step}, but its queue starts at "
-                             f"{self.queue[0].step if self.queue else self.next_step}")
+            raise ValueError(f"the async step was called for step {step}, but its queue starts "
+                             f"at {self.queue[0].step if self.queue else self.next_step}")
         if not self.queue:
             self.next_step = step
         try:
@@ -255,28 +238,20 @@ class AsyncStep:
                        f"step {step - 1}'s")
             raise
         made = self.queue.popleft()
-        try:
-            rollout, inputs = self._on(self.mesh, self.rules, (made.rollout, made.inputs))
-            host_values = (score_host_rows(self.rewards, inputs, self.mesh)
-                           if self.rewards.python_rewards else None)
-            state, out = self._compiled.get("train", self.trainer._train)(
-                state, rollout, inputs, host_values, ref_params)
-        except Exception as e:
-            ahead = [p.step for p in self.queue]
-            e.add_note(f"async: the train side failed at step {step}; the rollout side stops "
-                       f"too" + (f", its batches made ahead (steps {ahead[0]}..{ahead[-1]}) "
-                                 f"untrained" if ahead else ""))
-            raise
+        rollout, inputs = self._on(self.step.mesh, self.step.rules, (made.rollout, made.inputs))
         if made.version_BxC is None:
             mean = top = float(step - made.version)
         else:  # per token: the version that drew it
             mean, top = token_staleness(made.version_BxC, made.rollout.completion_mask_BxC,
                                          step)
-        out.metrics.update({"async/staleness_mean": mean, "async/staleness_max": top,
-                            "async/weight_sync_bytes": float(self.sync_bytes)})
-        return state, out
+        return Made(rollout, inputs, {"async/staleness_mean": mean, "async/staleness_max": top,
+                                      "async/weight_sync_bytes": float(self.sync_bytes)})
 
-    step_at = __call__  # the loop's call, shared with `Step.step_at`
+    def train_failed(self, error: BaseException, n: int) -> None:
+        ahead = [p.step for p in self.queue]
+        error.add_note(f"async: the train side failed at step {n}; the rollout side stops "
+                       f"too" + (f", its batches made ahead (steps {ahead[0]}..{ahead[-1]}) "
+                                 f"untrained" if ahead else ""))
 
     def pending(self) -> list[Produced]:
         """The batches made and not yet trained on, oldest first."""
@@ -330,12 +305,10 @@ class AsyncStep:
                             partial, partial_shardings(partial, self.rollout_mesh,
                                                        self.rollout_rules))
 
-    def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
-                rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
-                ) -> dict[str, Any]:
-        """{"generate", "train"}: both programs compiled for these arguments (the generate
-        program for weights resharded onto the rollout mesh); nothing is executed."""
-        params, batch = self._rollout_args(state, (prompts, fields_P, rows_P, key))
+    def compile(self, state: nnx.State, batch: Batch) -> tuple[dict[str, Any], Any]:
+        """The rollout programs compiled for weights resharded onto the rollout mesh, and the
+        abstract (rollout, inputs) on the train mesh; nothing is executed."""
+        params, batch = self._rollout_args(state, batch)
         if self.inflight:
             one = jax.ShapeDtypeStruct((), jnp.int32)
             partial = self._abstract_partial(params, batch)
@@ -347,21 +320,8 @@ class AsyncStep:
         else:
             compiled = {"generate": self._generate.lower(params, *batch).compile()}
             made = jax.eval_shape(self._generate, params, *batch)
-        outputs = self._abstract(made, self.mesh, self.rules, rows=True)
-        compiled["train"] = self.trainer.compile_train(state, outputs, ref_params)
         self._compiled = compiled
-        return dict(self._compiled)
-
-    def compiled(self) -> dict[str, Any]:
-        """{name: jax Compiled} of the programs `compile` made (empty before it ran)."""
-        return dict(self._compiled)
-
-    def num_compilations(self) -> int | None:
-        """Programs compiled so far (1 per program when nothing recompiled)."""
-        sizes = [getattr(p, "_cache_size", None) for p in self.programs]
-        if None in sizes:
-            return None
-        return len(self._compiled) + sum(size() for size in sizes)
+        return dict(compiled), self._abstract(made, self.step.mesh, self.step.rules, rows=True)
 
     @staticmethod
     def _shardings(mesh: Mesh, rules: AxisRules, tree: Any) -> Any:

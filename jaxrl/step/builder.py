@@ -1,34 +1,37 @@
-"""The step builder: one RL step (generate -> score -> advantages -> updates) as compiled programs.
+"""The RL step: one object that gets batch n's rollout from its source, runs the learner on
+it, and owns the compiled programs.
 
-    step = build_step(cfg, graphdef, sampler, rewards, optim=optim_cfg, mesh=mesh, rules=train)
-    state, out = step(state, prompts, fields_P, rows_P, key)   # state: nnx.split(ts)[1]
-    out.metrics, out.success_P, out.signal_P                   # a StepOutput
+    step = build_step(cfg, graphdef, sampler, rewards, optim=optim_cfg, mesh=mesh, rules=train,
+                      mode="fused")                        # or Step(cfg, graphdef, source, ...)
+    state, out = step(state, n, batch_of)       # batch_of(n) -> (prompts, fields_P, rows_P, key)
+    out.metrics, out.success_P, out.signal_P    # a StepOutput; state: nnx.split(ts)[1], donated
 
-Modes (`AlgoSection.mode`):
+One call, whatever the source (`jaxrl.step.sources`):
 
-    fused  ONE jitted program, donating the train state: generate, score (Python rewards run
-           through a host callback), advantages, every optimizer update.
-    split  two jitted programs sharing device buffers: (1) generate, (2) score + advantages
-           + updates (donating the train state); between them the host runs
-           `RewardSet.score_host` on the rollout and passes the values to (2).
+    made        = source.next(state, n, batch_of)        the rollout and its reward inputs
+    host_values = RewardSet.score_host(made)              Python rewards, on the host
+    state, out  = train(state, made, host_values)         the learner (`jaxrl.step.learner`)
 
-Both run the same phase functions (`jaxrl.step.phases`) in the same order, so for the same
-seed they give the same parameters. In split mode all of `RewardSet.score` (its JAX rewards
-too) runs in program (2): the set sums JAX and host rewards in one fixed order, which keeps
-the totals bit-identical to the fused program's.
+except for the fused source (`InGraph`), whose rollout is traced into the train program:
+ONE jitted program, donating the train state, generates, scores (Python rewards through a
+host callback), computes advantages and makes every update. Split mode runs the same
+functions in the same order in two programs, so for the same seed both give the same
+parameters; the reward set sums JAX and host rewards in one fixed order, which keeps the
+totals bit-identical.
 
-On a mesh the whole program traces under the *train* rules (`use_rules` inside the jitted
+On a mesh the train program traces under the *train* rules (`use_rules` inside the jitted
 function); the sampler switches to its own rollout rules and reshards the weights itself.
 The new state is pinned to the shardings of its logical axes, so a donated state keeps its
 layout step after step.
 
 Phase times: host callbacks inside the programs stamp when the prompts arrive, when the
 rollout is complete and when the last update is done (`PhaseClock.stamp`, wired into the
-data flow through the prompt ids, the sampled ids and a metric). `clock.pop()` gives `time/generate_s` and
-`time/train_s` of the oldest step not yet popped. In split mode the train program stamps its
-own start, so host reward scoring between the programs counts in neither.
+data flow through the prompt ids, the sampled ids and a metric). `clock.pop()` gives
+`time/generate_s` and `time/train_s` of the oldest step not yet popped. Outside the fused
+program the train program stamps its own start, so host reward scoring before it counts in
+neither.
 
-`compile(...)` compiles the program(s) ahead of the first call (so their memory analysis is
+`compile(...)` compiles the programs ahead of the first call (so their memory analysis is
 known before anything runs); later calls run those executables, which never recompile.
 
 `fields_P` (in-graph task fields) and `rows_P` (dataset rows, for the host fields of Python
@@ -50,22 +53,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config import AlgoSection, OptimSection
 from jaxrl.distributed import from_local_rows, local_rows, process_rows
-from jaxrl.rl import RewardInputs, RewardSet, zero_std_groups
-from jaxrl.rollout import Prompts, Rollout, Sampler
+from jaxrl.rl import RewardInputs, RewardSet
+from jaxrl.rollout import Prompts, Sampler
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 from jaxrl.step.clock import PhaseClock
-from jaxrl.step.critic import gae_batch
+from jaxrl.step.learner import learn
 from jaxrl.step.optimizer import learning_rate_schedule
-from jaxrl.step.phases import (
-    advantages,
-    completion_metrics,
-    generate,
-    reward_inputs,
-    score,
-    shape_rewards,
-    train_batch,
-    train_on,
-)
+from jaxrl.step.sources import Batch, InGraph, Jitted, RolloutSource
 
 __all__ = ["Step", "StepOutput", "build_step", "host_reward_shardings", "score_host_rows"]
 
@@ -80,14 +74,6 @@ class StepOutput(NamedTuple):
     metrics: Metrics
     success_P: jax.Array
     signal_P: jax.Array
-
-
-def prompt_success(rewards: RewardSet, rewards_B: jax.Array, group_size: int) -> jax.Array:
-    """success_P = the fraction of a prompt's G samples that solved it (`RewardSet.solved`).
-    Partial credit does not count: a group whose samples all earn the same partial credit
-    gives no learning signal either."""
-    solved_B = rewards.solved(rewards_B)
-    return jnp.mean(solved_B.reshape(-1, group_size), axis=1, dtype=jnp.float32)
 
 
 def host_reward_shardings(mesh: Mesh | None, completions: jax.sharding.Sharding
@@ -124,84 +110,93 @@ def score_host_rows(rewards: RewardSet, inputs: RewardInputs, mesh: Mesh | None
 
 
 class Step:
-    """`step(state, prompts, fields_P, rows_P, key, ref_params=None) -> (new_state, StepOutput)`.
+    """`step(state, n, batch_of, ref_params=None) -> (new_state, StepOutput)` (module
+    docstring).
 
     `state` is the TrainState's `nnx.State` and is donated (invalid after the call);
-    `ref_params` (`reference_params(ts)`) is needed only when `cfg.loss.beta > 0`. `programs`
-    holds the jitted functions (one when fused, two when split). `mode`: fused or split, as
-    the run's plan decided (`jaxrl.config.plan`; None: `cfg.mode`).
+    `ref_params` (`reference_params(ts)`) is needed only when `cfg.loss.beta > 0`. Calls come
+    in order n = 0, 1, ... where the source makes batches ahead (`QueuedRollouts`).
+    `programs` holds the jitted functions: the source's, then the train program (the one
+    program of the fused source).
     """
 
-    def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler,
+    def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, source: RolloutSource,
                  rewards: RewardSet, *, optim: OptimSection | None = None,
                  mesh: Mesh | None = None, rules: AxisRules | None = None,
-                 phase_times: bool = True, mode: str | None = None):
+                 phase_times: bool = True):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
-        self.mode = cfg.mode if mode is None else mode
-        if self.mode not in ("fused", "split"):
-            raise ValueError(f"a Step runs in mode fused or split, got {self.mode!r}")
-        self.cfg, self.graphdef, self.rewards = cfg, graphdef, rewards
+        self.cfg, self.graphdef, self.rewards, self.source = cfg, graphdef, rewards, source
         self.mesh, self.rules = mesh, rules
         self._schedule = None if optim is None else learning_rate_schedule(optim)
         self.clock = PhaseClock(enabled=phase_times)
-        self.use_sampler(sampler)
+        source.bind(self)
+        self._jit()
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.source.sampler
+
+    @property
+    def mode(self) -> str:
+        """fused when the rollout is traced into the train program, else split."""
+        return "fused" if self.source.in_graph else "split"
 
     def use_sampler(self, sampler: Sampler) -> None:
         """Generates with `sampler` from now on (the memory fit's smaller KV pool): the
-        program(s) are traced and compiled again, by fresh jit wrappers (no cached trace of
+        programs are traced and compiled again, by fresh jit wrappers (no cached trace of
         the old sampler can be reused)."""
-        self.sampler = sampler
+        self.source.use_sampler(sampler)
+        self._jit()
+
+    def _jit(self) -> None:
         self._compiled: dict[str, Any] = {}
-        if self.mode == "fused":
+        if self.source.in_graph:
             self._fused = jax.jit(functools.partial(Step._fused_body, self), donate_argnums=0)
-            self.programs: tuple[Callable[..., Any], ...] = (self._fused,)
+            self._train = None
         else:
-            self._generate = jax.jit(functools.partial(Step._generate_body, self))
             self._train = jax.jit(functools.partial(Step._train_body, self), donate_argnums=0)
-            self.programs = (self._generate, self._train)
 
-    def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
-                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
-                 ) -> tuple[nnx.State, StepOutput]:
-        if self.mode == "fused":
-            fused = self._compiled.get("step", self._fused)
-            return fused(state, prompts, fields_P, rows_P, key, ref_params)
-        rollout, inputs = self._compiled.get("generate", self._generate)(
-            state, prompts, fields_P, rows_P, key)
-        host_values = (score_host_rows(self.rewards, inputs, self.mesh)
-                       if self.rewards.python_rewards else None)
-        return self._compiled.get("train", self._train)(state, rollout, inputs, host_values,
-                                                        ref_params)
+    @property
+    def programs(self) -> tuple[Callable[..., Any], ...]:
+        return (self._fused,) if self.source.in_graph else (*self.source.programs, self._train)
 
-    def step_at(self, state: nnx.State, step: int, batch_of: Callable[[int], tuple[Any, ...]],
-                ref_params: nnx.State | None = None) -> tuple[nnx.State, StepOutput]:
-        """Step `step` on `batch_of(step)` = (prompts, fields_P, rows_P, key): the loop's call,
-        shared with `AsyncStep`, which draws batches ahead."""
-        return self(state, *batch_of(step), ref_params)
+    def __call__(self, state: nnx.State, n: int, batch_of: Callable[[int], Batch],
+                 ref_params: nnx.State | None = None) -> tuple[nnx.State, StepOutput]:
+        if self.source.in_graph:
+            return self._compiled.get("step", self._fused)(state, *batch_of(n), ref_params)
+        train = self._compiled.get("train", self._train)
+        layout = getattr(train, "input_shardings", None)
+        made = self.source.next(state, n, batch_of, None if layout is None else layout[0])
+        try:
+            host_values = (score_host_rows(self.rewards, made.inputs, self.mesh)
+                           if self.rewards.python_rewards else None)
+            state, out = train(state, made.rollout, made.inputs, host_values, ref_params)
+        except Exception as e:
+            self.source.train_failed(e, n)
+            raise
+        out.metrics.update(made.metrics)
+        return state, out
 
     def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
                 ) -> dict[str, Any]:
-        """{name: jax Compiled} of the program(s) for these arguments ("step", or "generate"
+        """{name: jax Compiled} of the programs for these arguments ("step"; or the source's
         and "train"), compiled now and run by every later call; nothing is executed."""
-        if self.mode == "fused":
-            self._compiled = {"step": self._fused.lower(
-                state, prompts, fields_P, rows_P, key, ref_params).compile()}
+        batch = (prompts, fields_P, rows_P, key)
+        if self.source.in_graph:
+            self._compiled = {"step": self._fused.lower(state, *batch, ref_params).compile()}
             return dict(self._compiled)
-        generate = self._generate.lower(state, prompts, fields_P, rows_P, key).compile()
-        shapes = jax.eval_shape(self._generate, state, prompts, fields_P, rows_P, key)
-        outputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                               shapes, generate.output_shardings)
-        self._compiled = {"generate": generate,
-                          "train": self.compile_train(state, outputs, ref_params)}
+        compiled, outputs = self.source.compile(state, batch)
+        compiled["train"] = self._compile_train(state, outputs, ref_params)
+        self._compiled = compiled
         return dict(self._compiled)
 
-    def compile_train(self, state: nnx.State, outputs: tuple[Any, Any],
-                      ref_params: nnx.State | None = None) -> Any:
-        """The split train program compiled for the generate program's (rollout, reward
-        inputs) `outputs` (ShapeDtypeStructs with shardings) and, with Python rewards, the
-        host reward values scored between the two."""
+    def _compile_train(self, state: nnx.State, outputs: tuple[Any, Any],
+                       ref_params: nnx.State | None = None) -> Any:
+        """The train program compiled for the source's (rollout, reward inputs) `outputs`
+        (ShapeDtypeStructs with shardings) and, with Python rewards, the host reward values
+        scored between the two."""
         host_values = None
         if self.rewards.python_rewards:
             ids = outputs[0].completion_ids_BxC
@@ -212,7 +207,7 @@ class Step:
         return self._train.lower(state, *outputs, host_values, ref_params).compile()
 
     def compiled(self) -> dict[str, Any]:
-        """{name: jax Compiled} of the program(s) `compile` made (empty before it ran)."""
+        """{name: jax Compiled} of the programs `compile` made (empty before it ran)."""
         return dict(self._compiled)
 
     def num_compilations(self) -> int | None:
@@ -222,60 +217,28 @@ class Step:
             return None
         return len(self._compiled) + sum(size() for size in sizes)
 
+    def rules_context(self):
+        """The train rules on the mesh (a null context without one)."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return use_rules(self.mesh, self.rules)
+
     def _replicated(self, x: jax.Array) -> jax.Array:
         """`x` on every device: each process of a multi-process run reads all of it."""
         if self.mesh is None:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
-    def _rules(self):
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        return use_rules(self.mesh, self.rules)
-
-    def _generate_body(self, state, prompts, fields_P, rows_P, key
-                       ) -> tuple[Rollout, RewardInputs]:
-        with self._rules():
-            model = nnx.merge(self.graphdef, state).model
-            # A replicated scalar as the operand: no gather of the prompts to one device.
-            ids_BxP = self.clock.stamp("start", jnp.sum(prompts.mask_BxP, dtype=jnp.int32),
-                                       prompts.ids_BxP)
-            rollout = generate(self.sampler, nnx.state(model), Prompts(ids_BxP, prompts.mask_BxP),
-                               key)
-            rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
-                "generated", rollout.num_steps, rollout.completion_ids_BxC))
-            return rollout, reward_inputs(rollout, fields_P, rows_P,
-                                          self.sampler.config.num_generations)
-
     def _train_body(self, state, rollout, inputs, host_values, ref_params, *, fused=False
                     ) -> tuple[nnx.State, StepOutput]:
-        g = self.sampler.config.num_generations
-        with self._rules():
+        with self.rules_context():
             if not fused:
                 rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
                     "train_start", rollout.num_steps, rollout.completion_ids_BxC))
             ts = nnx.merge(self.graphdef, state)
-            rewards_B, metrics = score(self.rewards, inputs, host_values)
-            success_P = self._replicated(prompt_success(self.rewards, rewards_B, g))
-            # 1 where the group's rewards differ: it has a group-relative advantage.
-            signal_P = self._replicated(
-                1.0 - zero_std_groups(rewards_B, g)[::g].astype(jnp.float32))
-            rewards_B, shaping_metrics = shape_rewards(self.cfg, rewards_B,
-                                                       rollout.completion_mask_BxC)
-            metrics.update(shaping_metrics)
-            # Observation tokens of a multi-turn rollout are attended over, never trained on.
-            adv_B, loss_mask_BxC, adv_metrics = advantages(
-                self.cfg, rewards_B, rollout.model_token_mask(), g)
-            metrics.update(adv_metrics)
-            metrics.update(completion_metrics(rollout, self.sampler.config.stop_token_ids))
-            batch = train_batch(rollout, adv_B, loss_mask_BxC)
-            if self.cfg.advantage == "gae":
-                batch, value_metrics = gae_batch(self.cfg, ts, batch, g)
-                metrics.update(value_metrics)
-            metrics.update(train_on(self.cfg, ts, batch,
-                                    self.sampler.config.sampling.temperature,
-                                    ref_params=ref_params, lr_schedule=self._schedule,
-                                    group_size=g))
+            metrics, success_P, signal_P = learn(
+                self.cfg, ts, rollout, inputs, host_values, ref_params, rewards=self.rewards,
+                sampler=self.sampler.config, lr_schedule=self._schedule)
             new_state = nnx.state(ts)
             if self.mesh is not None:
                 new_state = jax.lax.with_sharding_constraint(
@@ -284,11 +247,12 @@ class Step:
             params_sum = sum(jnp.sum(x.astype(jnp.float32))
                              for x in jax.tree.leaves(nnx.state(ts.model, nnx.Param)))
             metrics["grad_norm"] = self.clock.stamp("end", params_sum, metrics["grad_norm"])
-            return new_state, StepOutput(metrics, success_P, signal_P)
+            return new_state, StepOutput(metrics, self._replicated(success_P),
+                                         self._replicated(signal_P))
 
     def _fused_body(self, state, prompts, fields_P, rows_P, key, ref_params
                     ) -> tuple[nnx.State, StepOutput]:
-        rollout, inputs = self._generate_body(state, prompts, fields_P, rows_P, key)
+        rollout, inputs = self.source.traced(state, prompts, fields_P, rows_P, key)
         return self._train_body(state, rollout, inputs, None, ref_params, fused=True)
 
 
@@ -296,12 +260,16 @@ def build_step(cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler, rewar
                *, optim: OptimSection | None = None, mesh: Mesh | None = None,
                rules: AxisRules | None = None, phase_times: bool = True,
                mode: str | None = None) -> Step:
-    """The RL step of `mode` (None: `cfg.mode`) for the TrainState `graphdef` (see the
-    module docstring).
+    """The fused or split step (`mode`, None: `cfg.mode`) for the TrainState `graphdef`
+    (module docstring); the other sources are given to `Step` directly.
 
     `sampler` is built on `nnx.graphdef(ts.model)` (with the rollout rules on a mesh); `rules`
     are the train rules; `optim` only adds the `lr` metric; `phase_times` puts the phase
     stamps (host callbacks) into the programs.
     """
-    return Step(cfg, graphdef, sampler, rewards, optim=optim, mesh=mesh, rules=rules,
-                phase_times=phase_times, mode=mode)
+    mode = cfg.mode if mode is None else mode
+    if mode not in ("fused", "split"):
+        raise ValueError(f"build_step makes a fused or split step, got mode {mode!r}")
+    source = InGraph(sampler) if mode == "fused" else Jitted(sampler)
+    return Step(cfg, graphdef, source, rewards, optim=optim, mesh=mesh, rules=rules,
+                phase_times=phase_times)

@@ -86,7 +86,7 @@ def completion_outputs(modules: tuple[nnx.Module, ...], batch: Batch, per_token,
     padded, picked at run time by `lax.switch` (every branch compiled; the modules enter each
     branch as operands). Forward only: a switch under differentiation carries the residuals
     of every branch, so the updates switch around their whole value_and_grad instead
-    (`jaxrl.step.phases.train_on`) and pass `packed_rows`.
+    (`jaxrl.step.updates.train_on`) and pass `packed_rows`.
     """
     c = batch["loss_mask_BxC"].shape[1]
 

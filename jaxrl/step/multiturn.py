@@ -1,7 +1,8 @@
-"""The RL step of a multi-turn task: split mode with the host between the policy's turns.
+"""The rollout source of a multi-turn task: the host between the policy's turns.
 
-    step = MultiTurnStep(cfg, graphdef, sampler, rewards, episodes=Episodes(...), ...)
-    state, out = step(state, prompts, fields_P, rows_P, key)      # as `Step`
+    source = EpisodeRollouts(sampler, Episodes(...), env_rewards=True)
+    step = Step(cfg, graphdef, source, rewards, ...)
+    state, out = step(state, n, batch_of)                          # as any step
 
     (1) rollout   on the host, `jaxrl.step.multiturn_rollout`: every sample's episode, its
                   environment (`Episodes.make_env` of its dataset row) answering each turn
@@ -10,7 +11,7 @@
     (2) rewards   the task's Python rewards on the decoded trajectory (observations
                   included: a reward can read a tool's result), plus the environment's
                   own reward as the JAX reward "env" where the run adds it
-    (3) train     split mode's train program, unchanged: observation tokens are attended
+    (3) train     the step's train program, unchanged: observation tokens are attended
                   over but out of the loss (`Rollout.observation_mask_BxC`), so their
                   gradient is exactly zero and the sampler/trainer log-prob comparison
                   covers the policy's tokens only
@@ -43,13 +44,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.envs.base import EnvFactory, EnvFailure, Environment
-from jaxrl.rl import RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.rollout.episode_rows import MultiTurnRollout
 from jaxrl.sharding import AxisRules
-from jaxrl.step.builder import Step, StepOutput, score_host_rows
 from jaxrl.step.multiturn_rollout import MultiTurnConfig, rollout_multiturn
 from jaxrl.step.phases import reward_inputs
+from jaxrl.step.sources import Batch, Made, RolloutSource
 
 ENV_REWARD_FIELD = "env_reward"
 
@@ -89,62 +89,47 @@ def turn_metrics(out: MultiTurnRollout) -> dict[str, float]:
     }
 
 
-class MultiTurnStep(Step):
-    """`Step` whose rollout is the host's multi-turn loop (module docstring); split mode."""
+class EpisodeRollouts(RolloutSource):
+    """The multi-turn rollout source (module docstring). `env_rewards`: the environment's
+    own reward is the JAX reward "env" of the run's reward set."""
 
-    def __init__(self, cfg, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet, *,
-                 episodes: Episodes, **kwargs):
+    decodes_on_host = True
+
+    def __init__(self, sampler: Sampler, episodes: Episodes, *, env_rewards: bool = False):
+        super().__init__(sampler)
         self.episodes = episodes
-        self.env_rewards = any(r.name == "env" for r in rewards.rewards)
-        super().__init__(cfg, graphdef, sampler, rewards, mode="split", **kwargs)
+        self.env_rewards = env_rewards
         self.last_rollout: MultiTurnRollout | None = None
 
-    def __call__(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
-                 rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
-                 ) -> tuple[nnx.State, StepOutput]:
-        rollout, inputs, host_values, metrics = self.rollout(state, prompts, fields_P, rows_P,
-                                                             key)
-        train = self._compiled.get("train")
-        if train is None:
-            train = self._train
-        else:  # the host-made arrays, laid out as the program compiled ahead expects them
-            shardings = train.input_shardings[0]
-            rollout, inputs, host_values = jax.device_put((rollout, inputs, host_values),
-                                                          tuple(shardings[1:4]))
-        new_state, out = train(state, rollout, inputs, host_values, ref_params)
-        out.metrics.update({k: jnp.float32(v) for k, v in metrics.items()})
-        return new_state, out
-
-    def rollout(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
-                rows_P: jax.Array, key: jax.Array) -> tuple[Any, Any, Any, dict[str, float]]:
-        """Phases (1) and (2): the train program's (rollout, reward inputs, host values) and
-        the host metrics."""
+    def next(self, state: nnx.State, n: int, batch_of: Callable[[int], Batch],
+             layout: Any | None) -> Made:
+        """Phases (1) and (2): G episodes of each prompt of batch n, from the weights in
+        `state`, laid out as the compiled train program takes them (`layout`)."""
+        prompts, fields_P, rows_P, key = batch_of(n)
         g, e = self.sampler.config.num_generations, self.episodes
         # The rollout's first operation would wait for the previous step's updates anyway;
         # waiting here keeps that wait out of time/rollout_s.
         state = jax.block_until_ready(state)
-        out, rollout = run_episodes(nnx.merge(self.graphdef, state).model, e, prompts,
+        out, rollout = run_episodes(nnx.merge(self.step.graphdef, state).model, e, prompts,
                                     rows_P, key, self.sampler.config.sampling, g,
                                     mesh=self.sampler.mesh, rules=self.sampler.rules)
         self.last_rollout = out
         inputs = reward_inputs(rollout, fields_P, rows_P, g)
         if self.env_rewards:  # per sample already: not repeated per prompt
             inputs.fields[ENV_REWARD_FIELD] = jnp.asarray(out.reward_B, jnp.float32)
-        host_values = (score_host_rows(self.rewards, inputs, self.mesh)
-                       if self.rewards.python_rewards else None)
-        return rollout, inputs, host_values, turn_metrics(out)
+        if layout is not None:  # the host-made arrays, laid out as the compiled program's
+            rollout, inputs = jax.device_put((rollout, inputs), tuple(layout[1:3]))
+        return Made(rollout, inputs, {k: jnp.float32(v) for k, v in turn_metrics(out).items()})
 
-    def compile(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
-                rows_P: jax.Array, key: jax.Array, ref_params: nnx.State | None = None,
-                ) -> dict[str, Any]:
-        """{"train": the train program}, compiled for the rollout's shapes; the rollout's
-        own operations compile on their first call."""
+    def compile(self, state: nnx.State, batch: Batch) -> tuple[dict[str, Any], Any]:
+        """No program of its own (the rollout's operations compile on their first call);
+        the (rollout, reward inputs) the train program receives, for the rollout's shapes."""
+        prompts, fields_P, rows_P, _ = batch
         b = prompts.ids_BxP.shape[0] * self.sampler.config.num_generations
         c = self.episodes.config.max_total_tokens
         outputs = jax.eval_shape(functools.partial(self._abstract_outputs, b=b, c=c), prompts,
                                  fields_P, rows_P)
-        self._compiled = {"train": self.compile_train(state, outputs, ref_params)}
-        return dict(self._compiled)
+        return {}, outputs
 
     def _abstract_outputs(self, prompts, fields_P, rows_P, *, b, c):
         """The (rollout, reward inputs) the train program receives, for eval_shape."""

@@ -171,7 +171,7 @@ def test_another_seed_gives_other_metrics_and_a_kl_term_runs(fused_run, tmp_path
 
 
 class _Spy:
-    """The run's Step with `hook()` called before each step call (the loop's `step_at`)."""
+    """The run's Step with `hook()` called before each step call."""
 
     def __init__(self, step, hook):
         self._step, self._hook = step, hook
@@ -179,9 +179,9 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._step, name)
 
-    def step_at(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         self._hook()
-        return self._step.step_at(*args, **kwargs)
+        return self._step(*args, **kwargs)
 
 
 def test_metrics_already_computed_survive_a_failing_step(tmp_path, monkeypatch):

@@ -17,7 +17,8 @@ from jaxrl.rollout.decode_loop import EngineConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step import create_train_state
-from jaxrl.step.asynchronous import AsyncStep
+from jaxrl.step.asynchronous import QueuedRollouts
+from jaxrl.step.builder import Step
 from tests.step.test_builder import (
     BASE,
     CONFIG,
@@ -41,7 +42,7 @@ def _sync():
 
 def _build(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False,
            rewards=REWARDS):
-    """(AsyncStep on 4 rollout + 4 train devices, its initial state, the graphdef)."""
+    """(the async step on 4 rollout + 4 train devices, its initial state, the graphdef)."""
     rollout_devices, train_devices = split_devices(4)
     train_layout, rollout_layout = load_layout("fsdp"), load_layout("fsdp_tp")
     train_mesh = make_mesh(train_layout, train_devices)
@@ -51,10 +52,10 @@ def _build(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False,
     graphdef, state = nnx.split(ts)
     sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=rollout_mesh,
                       rules=rollout_layout.rollout_rules)
-    step = AsyncStep(BASE, graphdef, sampler, rewards, optim=optim,
-                     train=(train_mesh, train_layout.train_rules),
-                     rollout=(rollout_mesh, rollout_layout.rollout_rules),
-                     max_staleness=max_staleness, inflight_updates=inflight)
+    source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_layout.rollout_rules),
+                            max_staleness=max_staleness, inflight_updates=inflight)
+    step = Step(BASE, graphdef, source, rewards, optim=optim, mesh=train_mesh,
+                rules=train_layout.train_rules, phase_times=False)
     return step, state, graphdef
 
 
@@ -77,14 +78,14 @@ def test_staleness_zero_gives_the_synchronous_steps():
             np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  params[-1], sync_params[-1])
-    assert not step.queue and step.sync_bytes > 0
-    assert history[0]["async/weight_sync_bytes"] == step.sync_bytes
+    assert not step.source.queue and step.source.sync_bytes > 0
+    assert history[0]["async/weight_sync_bytes"] == step.source.sync_bytes
 
 
 def test_staleness_one_trains_each_batch_on_weights_one_update_old():
     params, history, step = _async(1)
     assert [h["async/staleness_max"] for h in history] == [0, 1, 1]
-    assert len(step.queue) == 1 and step.queue[0].step == STEPS  # made, not yet trained
+    assert len(step.source.queue) == 1 and step.source.queue[0].step == STEPS  # made, not yet trained
     _, _, sync_history, *_ = _sync()
     # Step 0 generates and trains on the initial weights: the synchronous step 0.
     for name, value in sync_history[0].items():
@@ -114,15 +115,15 @@ def test_inflight_updates_with_unchanged_weights_give_the_one_piece_batches():
     assert [h["async/staleness_max"] for h in got] == [0, 1, 2, 2]
     assert [h["async/staleness_mean"] for h in got][:2] == [0, 1]
     assert all(1 < h["async/staleness_mean"] < 2 for h in got[2:])
-    assert step.piece_steps == 3
+    assert step.source.piece_steps == 3
 
 
 def test_inflight_updates_keep_one_batch_in_flight_and_train_on_mixed_versions():
     _, history, step = _async(2, ENGINE, inflight=True, steps=4)
     # After call 3: batch 4 finished (its last piece ran at call 3), batch 5 in flight.
-    assert [(p.step, p.made) for p in step.queue] == [(4, True), (5, False)]
-    versions = np.asarray(step.queue[0].version_BxC)
-    mask = np.asarray(step.queue[0].rollout.completion_mask_BxC)
+    assert [(p.step, p.made) for p in step.source.queue] == [(4, True), (5, False)]
+    versions = np.asarray(step.source.queue[0].version_BxC)
+    mask = np.asarray(step.source.queue[0].rollout.completion_mask_BxC)
     assert set(np.unique(versions[mask])) <= {2, 3} and 3 in versions[mask]
     assert np.all(versions[~mask] == -1)
     for h in history[1:]:  # the sampler's weights were older than the trained ones

@@ -86,7 +86,7 @@ def _run(cfg: AlgoSection, layout: str = "single", steps: int = 1, rewards=REWAR
                       rules=layout_.train_rules if sharded else None, phase_times=False)
     history, params = [], []
     for i in range(steps):
-        state, out = step(state, *_inputs(i))
+        state, out = step(state, i, _inputs)
         history.append(jax.device_get(out.metrics))
         params.append(_params(nnx.merge(graphdef, state)))
     return params, int(nnx.merge(graphdef, state).step), history, step, state
@@ -166,7 +166,7 @@ def test_iterations_and_minibatches_count_updates():
     graphdef, state = nnx.split(ts)
     step = build_step(cfg, graphdef, Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS,
                       optim=OPTIM, phase_times=False)
-    state, out = step(state, *_inputs(0), ref_params=ref)
+    state, out = step(state, 0, _inputs, ref_params=ref)
     assert int(nnx.merge(graphdef, state).step) == 4
     # After the first update the policy moved away from the reference: KL > 0.
     assert float(out.metrics["loss/kl"]) > 0
@@ -241,7 +241,7 @@ def test_a_single_update_step_takes_its_old_log_probs_from_its_own_forward():
     # One update per step: old_logp = stop_gradient(new logp) of the loss's own forward gives
     # the same update as a separate forward pass of the (same) old policy.
     from jaxrl.step.forward import completion_log_probs
-    from jaxrl.step.phases import train_on
+    from jaxrl.step.updates import train_on
 
     cfg = AlgoSection(microbatch_size=4, loss=PolicyLossConfig(beta=0.0))
     assert cfg.single_update and not dataclasses.replace(cfg, num_minibatches=2).single_update
@@ -292,7 +292,7 @@ def test_a_decaying_entropy_bonus_equals_steps_with_each_coefficient():
                               JAX_REWARDS, optim=OPTIM, phase_times=False)
              for coef in (0.5, 0.25, 0.0)}  # 3 compiles
     for i, coef in enumerate((0.5, 0.5, 0.25, 0.0)):
-        state, _ = steps[coef](state, *_inputs(i))
+        state, _ = steps[coef](state, i, _inputs)
     _assert_close(_params(nnx.merge(graphdef, state)), params[-1])
 
 
@@ -330,7 +330,7 @@ def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(m
     step = build_step(dataclasses.replace(BASE, num_minibatches=minibatches), graphdef,
                       Sampler(nnx.graphdef(ts.model), SAMPLER), JAX_REWARDS, optim=OPTIM,
                       phase_times=False)
-    state, out = step(state, *_inputs(0))
+    state, out = step(state, 0, _inputs)
     assert int(out.metrics["train/skipped_updates"]) == minibatches
     assert int(out.metrics["train/skipped_in_a_row"]) == 1
     after = nnx.merge(graphdef, state)

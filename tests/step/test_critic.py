@@ -41,7 +41,7 @@ def _run(cfg: AlgoSection, steps: int = 2, params_after=None):
     step = build_step(cfg, graphdef, sampler, REWARDS, optim=OPTIM, phase_times=False)
     history = []
     for i in range(steps):
-        state, out = step(state, *_inputs(i))
+        state, out = step(state, i, _inputs)
         history.append(jax.device_get(out.metrics))
         if params_after is not None:
             ts = nnx.merge(graphdef, state)
@@ -124,7 +124,7 @@ def test_a_lora_policy_trains_its_adapters_beside_a_separate_critic():
     step = build_step(cfg, graphdef, Sampler(nnx.graphdef(ts.model), SAMPLER), REWARDS,
                       optim=OPTIM, phase_times=False)
     for i in range(2):  # the critic's warm-up, then both
-        state, out = step(state, *_inputs(i))
+        state, out = step(state, i, _inputs)
         assert np.isfinite(jax.device_get(out.metrics)["grad_norm"])
     base, adapters, critic = parts(nnx.merge(graphdef, state))
     jax.tree.map(np.testing.assert_array_equal, base, before[0])  # the base stays frozen

@@ -98,7 +98,7 @@ def _run(layout):
     step = build_step(AUX, graphdef, sampler, REWARDS, optim=OPTIM,
                       mesh=mesh if sharded else None, rules=lay.train_rules if sharded else None,
                       phase_times=False)
-    state, out = step(state, *_inputs(0))
+    state, out = step(state, 0, _inputs)
     return _params(nnx.merge(graphdef, state)), jax.device_get(out.metrics), state
 
 

@@ -1,5 +1,5 @@
 """The multi-turn step: observation tokens are out of the loss (their gradient is exactly
-zero), and `MultiTurnStep` runs episodes against an environment with its turn and tool
+zero), and the multi-turn step (`EpisodeRollouts`) runs episodes against an environment with its turn and tool
 metrics, compiling its train program once; on the (2, 2, 2) mesh its episodes are one
 device's."""
 
@@ -17,8 +17,8 @@ from jaxrl.rl import JaxReward, PolicyLossConfig, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state
-from jaxrl.step.builder import build_step
-from jaxrl.step.multiturn import Episodes, MultiTurnStep
+from jaxrl.step.builder import Step, build_step
+from jaxrl.step.multiturn import EpisodeRollouts, Episodes
 from jaxrl.step.multiturn_rollout import MultiTurnConfig
 from jaxrl.step.phases import reward_inputs
 from tests.conftest import make_tiny_config
@@ -111,17 +111,17 @@ def test_multiturn_step_runs_episodes_with_turn_and_tool_metrics():
     episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
                         lambda ids: " ".join(map(str, ids)), config)
     graphdef, state = nnx.split(ts)
-    step = MultiTurnStep(dataclasses.replace(ALGO), graphdef, sampler, REWARDS, optim=OPTIM,
-                         episodes=episodes)
+    step = Step(dataclasses.replace(ALGO), graphdef, EpisodeRollouts(sampler, episodes), REWARDS,
+                optim=OPTIM)
     rng = np.random.default_rng(1)
     prompts = Prompts(jnp.asarray(rng.integers(6, CONFIG.vocab_size, (P, PROMPT_LEN)), jnp.int32),
                       jnp.ones((P, PROMPT_LEN), jnp.int32))
     args = (prompts, {}, jnp.arange(P, dtype=jnp.int32))
     step.compile(state, *args, jax.random.key(0))
     for i in range(2):
-        state, out = step(state, *args, jax.random.key(i))
+        state, out = step(state, i, lambda n: (*args, jax.random.key(n)))
         metrics = jax.device_get(out.metrics)
-        made = step.last_rollout
+        made = step.source.last_rollout
         # Rows that ended their first turn before the budget got the two observation tokens.
         obs_per_row = made.observation_mask_BxC.sum(1)
         assert set(obs_per_row.tolist()) <= {0, 2} and obs_per_row.max() == 2
@@ -149,8 +149,8 @@ def _episode_step(layout_name, devices):
     episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
                         lambda ids: " ".join(map(str, ids)), config)
     graphdef, state = nnx.split(ts)
-    return MultiTurnStep(ALGO, graphdef, sampler, REWARDS, optim=OPTIM, episodes=episodes,
-                         mesh=mesh, rules=layout.train_rules), state
+    return Step(ALGO, graphdef, EpisodeRollouts(sampler, episodes), REWARDS, optim=OPTIM,
+                mesh=mesh, rules=layout.train_rules), state
 
 
 def test_on_the_2x2x2_mesh_the_episodes_are_one_devices_and_the_step_trains():
@@ -165,8 +165,8 @@ def test_on_the_2x2x2_mesh_the_episodes_are_one_devices_and_the_step_trains():
     for name, devices in (("single", jax.devices()[:1]), ("dp_fsdp_tp", jax.devices())):
         step, state = _episode_step(name, devices)
         step.compile(state, *args, jax.random.key(0))
-        new_state, out = step(state, *args, jax.random.key(0))
-        made[name] = step.last_rollout
+        new_state, out = step(state, 0, lambda n: (*args, jax.random.key(0)))
+        made[name] = step.source.last_rollout
     assert dict(step.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     one, mesh = made["single"], made["dp_fsdp_tp"]
     for name in ("completion_ids_BxC", "completion_mask_BxC"):
@@ -181,5 +181,5 @@ def test_on_the_2x2x2_mesh_the_episodes_are_one_devices_and_the_step_trains():
     assert np.isfinite(metrics["loss/policy"]) and metrics["grad_norm"] > 0
     assert any(not np.array_equal(a, b) for a, b in zip(
         jax.tree.leaves(state), jax.tree.leaves(new_state), strict=True))
-    step(new_state, *args, jax.random.key(1))
+    step(new_state, 1, lambda n: (*args, jax.random.key(1)))
     assert step.num_compilations() == 1

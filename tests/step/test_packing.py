@@ -28,7 +28,7 @@ from jaxrl.rollout import Prompts, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh, use_rules
 from jaxrl.step import build_step, create_train_state, packing, reference_params
 from jaxrl.step.critic import gae_batch
-from jaxrl.step.phases import train_on
+from jaxrl.step.updates import train_on
 from tests.conftest import make_tiny_config
 
 LLAMA = make_tiny_config("llama")
@@ -279,7 +279,8 @@ def _step(cfg: AlgoSection):
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(6, LLAMA.vocab_size, (4, P)), jnp.int32)
     prompts = Prompts(ids, jnp.ones((4, P), bool))
-    state, out = step(state, prompts, {}, jnp.arange(4, dtype=jnp.int32), jax.random.key(7))
+    state, out = step(state, 0, lambda n: (prompts, {}, jnp.arange(4, dtype=jnp.int32),
+                                           jax.random.key(7)))
     return jax.device_get(out.metrics), jax.device_get(nnx.state(nnx.merge(graphdef, state).model,
                                                                  nnx.Param))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from jaxrl.run.async_queue import queue_checkpoint
 from jaxrl.run.trainer import Hook, Trainer, every
 from jaxrl.saved.checkpoint import Checkpoints
-from jaxrl.step.asynchronous import AsyncStep
 
 
 class CheckpointHook(Hook):
@@ -23,7 +22,6 @@ class CheckpointHook(Hook):
 
     def after_step(self, trainer: Trainer, done: int) -> None:
         step = trainer.run.step
-        queue = (queue_checkpoint(step, trainer.drawn) if isinstance(step, AsyncStep)
-                 else None)
+        queue = queue_checkpoint(step.source, trainer.drawn) if step.source.keeps_queue else None
         self.checkpoints.save(done, trainer.state, trainer.run.batches.state(),
                               trainer.started.key, queue=queue)
