@@ -109,3 +109,28 @@ def observation_problem(obs: object, vocab_size: int | None = None) -> str | Non
             return (f"Observation.ids must be token ids in [0, {vocab_size}) (the model's "
                     f"vocabulary), got {bad[:5].tolist()}")
     return None
+
+
+def observation_ids(obs: Observation, encode: Callable[[str], list[int]],
+                    limit: int | None = None) -> list[int]:
+    """The tokens an observation appends: its ids, or its text encoded, or none; at most
+    `limit` of them (None: all). A long text is cut by characters before it is encoded
+    (`encode_prefix`)."""
+    if obs.ids is not None:
+        return [int(i) for i in obs.ids[:limit]]
+    if not obs.text:
+        return []
+    return list(encode(obs.text)) if limit is None else encode_prefix(obs.text, encode, limit)
+
+
+def encode_prefix(text: str, encode: Callable[[str], list[int]], limit: int) -> list[int]:
+    """The first `limit` tokens of `text`, encoding only a prefix of it: 8 characters per
+    token allowed at first (BPE vocabularies average 3-5 on text), doubled until the prefix
+    gives more than `limit` tokens or is the whole text. Tokens near the cut could differ
+    from the whole text's; taking one more token than kept keeps the cut away from them."""
+    chars = 8 * (limit + 1)
+    while True:
+        ids = list(encode(text[:chars]))
+        if len(ids) > limit or chars >= len(text):
+            return ids[:limit]
+        chars *= 2

@@ -160,6 +160,179 @@ def aggregate_tokens(x_BxT: jax.Array, aggregation: Aggregation, count_B: jax.Ar
     return jnp.sum(per_seq_B) / num_seqs
 
 
+class _Tokens(typing.NamedTuple):
+    """The valid tokens of one call and the denominators its per-token terms are reduced by."""
+
+    valid_BxT: jax.Array
+    count_B: jax.Array
+    num_tokens: jax.Array
+    num_seqs: jax.Array
+    aggregation: Aggregation
+    max_completion_len: int | None
+
+    def masked(self, x_BxT: jax.Array) -> jax.Array:
+        """x_BxT in float32 at least, 0 at the invalid tokens.
+
+        Masking the *inputs* too keeps exp/expm1 of padding finite: a `where` after an
+        overflow would still send 0 · inf = NaN back through the gradient."""
+        return jnp.where(self.valid_BxT, _float(x_BxT), 0.0)
+
+    def aggregate(self, x_BxT: jax.Array) -> jax.Array:
+        """x_BxT masked and reduced as the loss's aggregation says (`aggregate_tokens`)."""
+        return aggregate_tokens(self.masked(x_BxT), self.aggregation, self.count_B,
+                                self.num_tokens, self.num_seqs, self.max_completion_len)
+
+    def token_mean(self, x_BxT: jax.Array) -> jax.Array:
+        """Σ_it m x_it / num_tokens: a metric's mean over the valid tokens."""
+        return jnp.sum(self.masked(x_BxT)) / self.num_tokens
+
+
+def _check_inputs(cfg: PolicyLossConfig, ref_logp_BxT: jax.Array | None,
+                  sampler_logp_BxT: jax.Array | None, entropy_BxT: jax.Array | None,
+                  max_completion_len: int | None) -> None:
+    """Raises ValueError when cfg reads an input the call did not pass."""
+    if cfg.beta > 0 and ref_logp_BxT is None:
+        raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
+    if cfg.uses_sampler_logp and sampler_logp_BxT is None:
+        raise ValueError(f"correction={cfg.correction!r} with tis_cap={cfg.tis_cap} reads the "
+                         f"sampler's log-probs: pass sampler_logp_BxT")
+    if cfg.aggregation == "seq_mean_token_sum_norm":
+        if max_completion_len is None or max_completion_len < 1:
+            raise ValueError(f"aggregation='seq_mean_token_sum_norm' (Dr. GRPO) divides by a "
+                             f"constant: pass max_completion_len >= 1, "
+                             f"got {max_completion_len}")
+    if cfg.entropy_bonus and entropy_BxT is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 (or entropy_target="
+                         f"{cfg.entropy_target}) adds an entropy bonus: pass entropy_BxT")
+    if cfg.top_entropy_quantile < 1 and entropy_BxT is None:
+        raise ValueError("top_entropy_quantile < 1 keeps the high-entropy tokens: pass "
+                         "entropy_BxT")
+
+
+def _behaviour_ratio(old_logp_BxT: jax.Array, sampler_logp_BxT: jax.Array,
+                     tis_cap: float | None, tok: _Tokens,
+                     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(rho_BxT, passed_BxT, async metrics) of the behaviour (sampler) policy against the
+    proximal one, no gradient:
+
+        rho_it = exp(old_logp_it - sampler_logp_it),  passed_it = [rho_it > tis_cap]
+        async/kl_behaviour = token mean of rho - 1 - log rho   (k3 of KL(behaviour || proximal))
+    """
+    log_rho_BxT = tok.masked(old_logp_BxT) - tok.masked(sampler_logp_BxT)
+    rho_BxT = jax.lax.stop_gradient(jnp.exp(log_rho_BxT))
+    metrics = {"async/ratio_mean": tok.token_mean(rho_BxT)}
+    passed_BxT = (rho_BxT > tis_cap) if tis_cap is not None else \
+        jnp.zeros_like(tok.valid_BxT)
+    metrics["async/ratio_clipped_frac"] = tok.token_mean(passed_BxT)
+    metrics["async/kl_behaviour"] = tok.token_mean(
+        jax.lax.stop_gradient(jnp.expm1(log_rho_BxT) - log_rho_BxT))
+    return rho_BxT, passed_BxT, metrics
+
+
+def _behaviour_weight(cfg: PolicyLossConfig, rho_BxT: jax.Array | None,
+                      passed_BxT: jax.Array | None) -> jax.Array | None:
+    """w_BxT, the behaviour correction's weight (None: 1):
+
+        "tis"  min(rho, tis_cap),   "mis"  rho · [rho <= tis_cap],   "decoupled"  rho
+    """
+    if cfg.correction == "none" or not cfg.uses_sampler_logp:
+        return None
+    if cfg.correction == "tis":
+        return jnp.minimum(rho_BxT, cfg.tis_cap)
+    if cfg.correction == "mis":
+        return jnp.where(passed_BxT, 0.0, rho_BxT)
+    return rho_BxT
+
+
+def _behaviour_correction(cfg: PolicyLossConfig, tok: _Tokens, old_logp_BxT: jax.Array,
+                          sampler_logp_BxT: jax.Array | None,
+                          ) -> tuple[jax.Array, jax.Array, jax.Array | None,
+                                     dict[str, jax.Array]]:
+    """(the ratio's old_logp, the behaviour's log-probs, w_BxT, metrics): with
+    correction="none" the ratio's old_logp is the sampler's own (plain PPO against the policy
+    that generated); the behaviour is the sampler when its log-probs are given."""
+    metrics, rho_BxT, passed_BxT = {}, None, None
+    if sampler_logp_BxT is not None:
+        rho_BxT, passed_BxT, metrics = _behaviour_ratio(old_logp_BxT, sampler_logp_BxT,
+                                                        cfg.tis_cap, tok)
+    behaviour_logp_BxT = old_logp_BxT if sampler_logp_BxT is None else sampler_logp_BxT
+    if cfg.correction == "none" and sampler_logp_BxT is not None:
+        old_logp_BxT = sampler_logp_BxT
+    w_BxT = _behaviour_weight(cfg, rho_BxT, passed_BxT)
+    if w_BxT is not None:
+        metrics["tis/weight_mean"] = tok.token_mean(w_BxT)
+    return old_logp_BxT, behaviour_logp_BxT, w_BxT, metrics
+
+
+def _importance_ratio(logp_BxT: jax.Array, old_logp_BxT: jax.Array, cfg: PolicyLossConfig,
+                      count_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(token_log_ratio_BxT, ratio_BxT) of masked log-probs:
+
+        token_log_ratio_it = logp_it - old_logp_it
+        ratio_it = exp(token_log_ratio_it)                          "token"
+                 = exp(sum_t token_log_ratio_it / |y_i|)            "sequence" (GSPO)
+    """
+    token_log_ratio_BxT = logp_BxT - old_logp_BxT
+    log_ratio_BxT = token_log_ratio_BxT
+    if cfg.importance_level == "sequence":
+        seq_log_ratio_B = jnp.sum(log_ratio_BxT, axis=1) / jnp.maximum(count_B, 1.0)
+        log_ratio_BxT = jnp.broadcast_to(seq_log_ratio_B[:, None], log_ratio_BxT.shape)
+    return token_log_ratio_BxT, jnp.exp(log_ratio_BxT)
+
+
+def _policy_term(cfg: PolicyLossConfig, tok: _Tokens, logp_BxT: jax.Array,
+                 token_log_ratio_BxT: jax.Array, ratio_BxT: jax.Array, adv_Bx1: jax.Array,
+                 w_BxT: jax.Array | None, behaviour_logp_BxT: jax.Array,
+                 entropy_BxT: jax.Array | None,
+                 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(w_it · pg_it, the tokens the entropy bonus acts on, metrics): the surrogate
+    (`loss_variants.surrogate_term`) weighted by the behaviour weight, then zeroed outside
+    DeepSeek-V3.2's off-policy sequence mask and the top-entropy token mask when set."""
+    vespo = cfg.surrogate == "vespo"
+    pg_BxT, token_metrics = loss_variants.surrogate_term(
+        cfg, logp_BxT, token_log_ratio_BxT, ratio_BxT, adv_Bx1, tok.valid_BxT,
+        jnp.log(w_BxT) if vespo and w_BxT is not None else None)
+    metrics = {name: tok.token_mean(x_BxT) for name, x_BxT in token_metrics.items()}
+    if w_BxT is not None and not vespo:  # VESPO folds the weight into its own
+        pg_BxT = pg_BxT * w_BxT
+    if cfg.off_policy_kl_threshold is not None:
+        keep = loss_variants.off_policy_sequence_mask(
+            adv_Bx1, logp_BxT, tok.masked(behaviour_logp_BxT), tok.valid_BxT, tok.count_B,
+            cfg.off_policy_kl_threshold)
+        pg_BxT = jnp.where(keep, pg_BxT, 0.0)
+        metrics["off_policy/masked_frac"] = tok.token_mean(
+            ~jnp.broadcast_to(keep, tok.valid_BxT.shape))
+    bonus_mask_BxT = tok.valid_BxT
+    if cfg.top_entropy_quantile < 1:
+        bonus_mask_BxT = loss_variants.top_entropy_mask(entropy_BxT, tok.valid_BxT,
+                                                        cfg.top_entropy_quantile)
+        pg_BxT = jnp.where(bonus_mask_BxT, pg_BxT, 0.0)
+        metrics["entropy_mask/kept_frac"] = tok.token_mean(bonus_mask_BxT)
+    return pg_BxT, bonus_mask_BxT, metrics
+
+
+def _entropy_bonus(cfg: PolicyLossConfig, tok: _Tokens, per_token_BxT: jax.Array,
+                   entropy_BxT: jax.Array, bonus_mask_BxT: jax.Array,
+                   coef: jax.Array | float) -> tuple[jax.Array, jax.Array | float]:
+    """(per_token_BxT, bonus) with the entropy bonus on the tokens of bonus_mask_BxT (K):
+    "policy" subtracts coef · H_it from the per-token loss (aggregated like it); "tokens"
+    returns the scalar bonus to subtract from the loss (module doc),
+
+        bonus = coef · (sum_{it in K} H_it / |K|) · sum_it m_it / num_tokens   (q < 1)
+              = coef · sum_{it in K} H_it / num_tokens                         (q = 1)
+    """
+    entropy_BxT = jnp.where(bonus_mask_BxT, entropy_BxT, 0.0)
+    if cfg.entropy_aggregation == "policy":
+        return per_token_BxT - coef * entropy_BxT, 0.0
+    bonus_sum = jnp.sum(entropy_BxT)
+    if cfg.top_entropy_quantile < 1:
+        # This call's kept mean, weighted by its valid tokens: the calls of a minibatch then
+        # sum to the minibatch's bonus, not M times it.
+        bonus_sum = bonus_sum / jnp.maximum(jnp.sum(bonus_mask_BxT), 1.0) * \
+            jnp.sum(tok.count_B)
+    return per_token_BxT, coef * bonus_sum / tok.num_tokens
+
+
 def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
                 mask_BxT: jax.Array, cfg: PolicyLossConfig, *,
                 ref_logp_BxT: jax.Array | None = None,
@@ -187,114 +360,38 @@ def policy_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array,
     controller's value, may be traced), used only when cfg.entropy_bonus; None:
     cfg.entropy_coef.
     """
-    if cfg.beta > 0 and ref_logp_BxT is None:
-        raise ValueError(f"beta={cfg.beta} > 0 adds a KL term: pass ref_logp_BxT")
-    if cfg.uses_sampler_logp and sampler_logp_BxT is None:
-        raise ValueError(f"correction={cfg.correction!r} with tis_cap={cfg.tis_cap} reads the "
-                         f"sampler's log-probs: pass sampler_logp_BxT")
-    if cfg.aggregation == "seq_mean_token_sum_norm":
-        if max_completion_len is None or max_completion_len < 1:
-            raise ValueError(f"aggregation='seq_mean_token_sum_norm' (Dr. GRPO) divides by a "
-                             f"constant: pass max_completion_len >= 1, "
-                             f"got {max_completion_len}")
+    _check_inputs(cfg, ref_logp_BxT, sampler_logp_BxT, entropy_BxT, max_completion_len)
+    tok = _Tokens(*token_counts(mask_BxT, num_tokens, num_seqs), cfg.aggregation,
+                  max_completion_len)
 
-    if cfg.entropy_bonus and entropy_BxT is None:
-        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 (or entropy_target="
-                         f"{cfg.entropy_target}) adds an entropy bonus: pass entropy_BxT")
-
-    valid_BxT, count_B, num_tokens, num_seqs = token_counts(mask_BxT, num_tokens, num_seqs)
-
-    def masked(x_BxT):
-        # Masking the *inputs* too keeps exp/expm1 of padding finite: a `where` after an
-        # overflow would still send 0 · inf = NaN back through the gradient.
-        return jnp.where(valid_BxT, _float(x_BxT), 0.0)
-
-    def aggregate(x_BxT):
-        return aggregate_tokens(masked(x_BxT), cfg.aggregation, count_B, num_tokens, num_seqs,
-                                max_completion_len)
-
-    def token_mean(x_BxT):
-        return jnp.sum(masked(x_BxT)) / num_tokens
-
-    metrics = {}
-    if sampler_logp_BxT is not None:
-        log_rho_BxT = masked(old_logp_BxT) - masked(sampler_logp_BxT)
-        rho_BxT = jax.lax.stop_gradient(jnp.exp(log_rho_BxT))
-        metrics["async/ratio_mean"] = token_mean(rho_BxT)
-        passed_BxT = (rho_BxT > cfg.tis_cap) if cfg.tis_cap is not None else \
-            jnp.zeros_like(valid_BxT)
-        metrics["async/ratio_clipped_frac"] = token_mean(passed_BxT)
-        metrics["async/kl_behaviour"] = token_mean(
-            jax.lax.stop_gradient(jnp.expm1(log_rho_BxT) - log_rho_BxT))
-    behaviour_logp_BxT = old_logp_BxT if sampler_logp_BxT is None else sampler_logp_BxT
-    if cfg.correction == "none" and sampler_logp_BxT is not None:
-        old_logp_BxT = sampler_logp_BxT
-    logp_BxT = masked(logp_BxT)
-    token_log_ratio_BxT = logp_BxT - masked(old_logp_BxT)
-    log_ratio_BxT = token_log_ratio_BxT
-    if cfg.importance_level == "sequence":
-        seq_log_ratio_B = jnp.sum(log_ratio_BxT, axis=1) / jnp.maximum(count_B, 1.0)
-        log_ratio_BxT = jnp.broadcast_to(seq_log_ratio_B[:, None], log_ratio_BxT.shape)
-    ratio_BxT = jnp.exp(log_ratio_BxT)
+    old_logp_BxT, behaviour_logp_BxT, w_BxT, metrics = _behaviour_correction(
+        cfg, tok, old_logp_BxT, sampler_logp_BxT)
+    logp_BxT = tok.masked(logp_BxT)
+    token_log_ratio_BxT, ratio_BxT = _importance_ratio(logp_BxT, tok.masked(old_logp_BxT),
+                                                       cfg, tok.count_B)
     # One advantage per sequence [B], or per token [B, T] (PPO's GAE, `jaxrl.rl.gae`).
-    adv_Bx1 = _float(adv_B)[:, None] if adv_B.ndim == 1 else masked(adv_B)
+    adv_Bx1 = _float(adv_B)[:, None] if adv_B.ndim == 1 else tok.masked(adv_B)
 
-    w_BxT = None
-    if cfg.correction != "none" and cfg.uses_sampler_logp:
-        if cfg.correction == "tis":
-            w_BxT = jnp.minimum(rho_BxT, cfg.tis_cap)
-        elif cfg.correction == "mis":
-            w_BxT = jnp.where(passed_BxT, 0.0, rho_BxT)
-        else:
-            w_BxT = rho_BxT
-        metrics["tis/weight_mean"] = token_mean(w_BxT)
-    vespo = cfg.surrogate == "vespo"
-    pg_BxT, token_metrics = loss_variants.surrogate_term(
-        cfg, logp_BxT, token_log_ratio_BxT, ratio_BxT, adv_Bx1, valid_BxT,
-        jnp.log(w_BxT) if vespo and w_BxT is not None else None)
-    metrics |= {name: token_mean(x_BxT) for name, x_BxT in token_metrics.items()}
-    if w_BxT is not None and not vespo:  # VESPO folds the weight into its own
-        pg_BxT = pg_BxT * w_BxT
-    if cfg.off_policy_kl_threshold is not None:
-        keep = loss_variants.off_policy_sequence_mask(
-            adv_Bx1, logp_BxT, masked(behaviour_logp_BxT), valid_BxT, count_B,
-            cfg.off_policy_kl_threshold)
-        pg_BxT = jnp.where(keep, pg_BxT, 0.0)
-        metrics["off_policy/masked_frac"] = token_mean(~jnp.broadcast_to(keep, valid_BxT.shape))
-    bonus_mask_BxT = valid_BxT
-    if cfg.top_entropy_quantile < 1:
-        if entropy_BxT is None:
-            raise ValueError("top_entropy_quantile < 1 keeps the high-entropy tokens: pass "
-                             "entropy_BxT")
-        bonus_mask_BxT = loss_variants.top_entropy_mask(entropy_BxT, valid_BxT,
-                                                        cfg.top_entropy_quantile)
-        pg_BxT = jnp.where(bonus_mask_BxT, pg_BxT, 0.0)
-        metrics["entropy_mask/kept_frac"] = token_mean(bonus_mask_BxT)
-    metrics["loss/policy"] = aggregate(pg_BxT)
+    pg_BxT, bonus_mask_BxT, pg_metrics = _policy_term(
+        cfg, tok, logp_BxT, token_log_ratio_BxT, ratio_BxT, adv_Bx1, w_BxT,
+        behaviour_logp_BxT, entropy_BxT)
+    metrics |= pg_metrics
+    metrics["loss/policy"] = tok.aggregate(pg_BxT)
     per_token_BxT = pg_BxT
 
     metrics["loss/kl"] = jnp.zeros((), jnp.float32)
     if cfg.beta > 0:
-        kl_BxT = kl_estimate(logp_BxT, masked(ref_logp_BxT), cfg.kl_estimator, ratio_BxT)
-        metrics["loss/kl"] = aggregate(kl_BxT)
+        kl_BxT = kl_estimate(logp_BxT, tok.masked(ref_logp_BxT), cfg.kl_estimator, ratio_BxT)
+        metrics["loss/kl"] = tok.aggregate(kl_BxT)
         per_token_BxT = per_token_BxT + cfg.beta * kl_BxT
 
     bonus = 0.0
     if entropy_BxT is not None:
-        entropy_BxT = masked(entropy_BxT)
-        metrics["entropy"] = jnp.sum(entropy_BxT) / num_tokens
+        entropy_BxT = tok.masked(entropy_BxT)
+        metrics["entropy"] = jnp.sum(entropy_BxT) / tok.num_tokens
         if cfg.entropy_bonus:
             coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
-            entropy_BxT = jnp.where(bonus_mask_BxT, entropy_BxT, 0.0)
-            if cfg.entropy_aggregation == "policy":
-                per_token_BxT = per_token_BxT - coef * entropy_BxT
-            else:  # the mean over the tokens the bonus acts on, as TRL (module doc)
-                bonus_sum = jnp.sum(entropy_BxT)
-                if cfg.top_entropy_quantile < 1:
-                    # This call's kept mean, weighted by its valid tokens: the calls of a
-                    # minibatch then sum to the minibatch's bonus, not M times it.
-                    bonus_sum = bonus_sum / jnp.maximum(jnp.sum(bonus_mask_BxT), 1.0) * \
-                        jnp.sum(count_B)
-                bonus = coef * bonus_sum / num_tokens
+            per_token_BxT, bonus = _entropy_bonus(cfg, tok, per_token_BxT, entropy_BxT,
+                                                  bonus_mask_BxT, coef)
 
-    return aggregate(per_token_BxT) - bonus, metrics
+    return tok.aggregate(per_token_BxT) - bonus, metrics

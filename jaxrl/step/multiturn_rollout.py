@@ -48,13 +48,20 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.envs.base import EnvFailure, Environment, Observation, observation_problem
+from jaxrl.envs.base import (
+    EnvFailure,
+    Environment,
+    Observation,
+    observation_ids,
+    observation_problem,
+)
 from jaxrl.models import Transformer
 from jaxrl.rollout import slots
 from jaxrl.rollout.episode_rows import MultiTurnRollout, Row, assemble
@@ -165,31 +172,6 @@ def jitted_ops():
             "extend": _extend}
 
 
-def observation_ids(obs: Observation, encode: Callable[[str], list[int]],
-                    limit: int | None = None) -> list[int]:
-    """The tokens an observation appends: its ids, or its text encoded, or none; at most
-    `limit` of them (None: all). A long text is cut by characters before it is encoded
-    (`encode_prefix`)."""
-    if obs.ids is not None:
-        return [int(i) for i in obs.ids[:limit]]
-    if not obs.text:
-        return []
-    return list(encode(obs.text)) if limit is None else encode_prefix(obs.text, encode, limit)
-
-
-def encode_prefix(text: str, encode: Callable[[str], list[int]], limit: int) -> list[int]:
-    """The first `limit` tokens of `text`, encoding only a prefix of it: 8 characters per
-    token allowed at first (BPE vocabularies average 3-5 on text), doubled until the prefix
-    gives more than `limit` tokens or is the whole text. Tokens near the cut could differ
-    from the whole text's; taking one more token than kept keeps the cut away from them."""
-    chars = 8 * (limit + 1)
-    while True:
-        ids = list(encode(text[:chars]))
-        if len(ids) > limit or chars >= len(text):
-            return ids[:limit]
-        chars *= 2
-
-
 def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                       envs: Sequence[Environment], encode: Callable[[str], list[int]],
                       decode: Callable[[list[int]], str], key: jax.Array,
@@ -203,39 +185,192 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
     the weights are laid out by the rules once, and the slots split over the devices."""
     began = time.perf_counter()
     sampling = SamplingParams() if sampling is None else sampling
-    ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP, np.int32), np.asarray(prompt_mask_BxP, bool)
+    ids_BxP, mask_BxP = _checked_prompts(prompt_ids_BxP, prompt_mask_BxP, len(envs),
+                                         num_generations)
     b, p = ids_BxP.shape
-    g = num_generations
-    if b % g or len(envs) != b:
+    device = _Device.build(model, config, sampling, p, mesh, rules)
+    key_data_BxK = jax.random.key_data(row_keys(key, b // num_generations, num_generations))
+    host = _Episodes(device, config, ids_BxP, mask_BxP, key_data_BxK, num_generations, envs,
+                     encode, decode, model.config.vocab_size)
+    host.run()
+    return assemble(host.rows, ids_BxP, mask_BxP, config, host.env_time, host.env_wait,
+                    host.decode_steps, time.perf_counter() - began)
+
+
+def _checked_prompts(prompt_ids_BxP, prompt_mask_BxP, num_envs: int,
+                     g: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids_BxP int32, mask_BxP bool) of B = prompts x g rows, one environment each, every
+    prompt non-empty; ValueError otherwise."""
+    ids_BxP, mask_BxP = np.asarray(prompt_ids_BxP, np.int32), np.asarray(prompt_mask_BxP, bool)
+    b = ids_BxP.shape[0]
+    if b % g or num_envs != b:
         raise ValueError(f"{b} rows must be prompts x {g} generations, with one environment "
-                         f"each (got {len(envs)})")
+                         f"each (got {num_envs})")
     if not mask_BxP.any(axis=1).all():
         raise ValueError(f"rows {np.flatnonzero(~mask_BxP.any(axis=1)).tolist()} have an "
                          f"empty prompt")
-    c, w = config.max_total_tokens, config.chunk_width
-    split = SlotSplit.over(mesh, rules, config.num_slots)
-    layout, stops = config.layout(p, split.local_slots), config.stops
-    eos = set(config.eos_token_ids)
-    graphdef, weights = nnx.split(model)
-    if mesh is not None:
-        weights = jax.device_put(weights, state_shardings(weights, mesh, rules))
-    key_data_BxK = jax.random.key_data(row_keys(key, b // g, g))
-    state = _init(model.config, split, layout)
-    rows = [Row() for _ in range(b)]
-    owner: dict[int, int] = {}            # slot -> row
-    vocab_size = model.config.vocab_size
-    next_row, prefix, prefix_of = 0, None, -1
-    env_time = env_wait = 0.0
-    decode_steps = 0
+    return ids_BxP, mask_BxP
 
-    def finish(slot, truncated):
-        rows[owner.pop(slot)].truncated = truncated
 
-    def take_observation(slot, obs: Observation):
-        nonlocal state
-        r = owner[slot]
-        row = rows[r]
-        problem = observation_problem(obs, vocab_size)
+@dataclasses.dataclass
+class _Device:
+    """The device side of a rollout: the slots' state (donated to each operation and
+    replaced by its result) and the jitted operations on it, with their static settings."""
+
+    graphdef: Any
+    weights: Any
+    split: SlotSplit
+    layout: PoolLayout
+    stops: slots.Stops
+    sampling: SamplingParams
+    attention: slots.Attention
+    config: MultiTurnConfig
+    state: Any
+
+    @classmethod
+    def build(cls, model: Transformer, config: MultiTurnConfig, sampling: SamplingParams,
+              prompt_len: int, mesh: Mesh | None, rules: AxisRules | None) -> _Device:
+        """The weights (laid out by `rules` on `mesh`) and empty slots split over it."""
+        split = SlotSplit.over(mesh, rules, config.num_slots)
+        layout = config.layout(prompt_len, split.local_slots)
+        graphdef, weights = nnx.split(model)
+        if mesh is not None:
+            weights = jax.device_put(weights, state_shardings(weights, mesh, rules))
+        return cls(graphdef, weights, split, layout, config.stops, sampling,
+                   slots.Attention(config.attention), config,
+                   _init(model.config, split, layout))
+
+    def prefill(self, ids_P: np.ndarray, mask_P: np.ndarray):
+        """The prompt's prefix (its KV), on every device."""
+        return _prefill(self.graphdef, self.split, self.weights, ids_P, mask_P)
+
+    def start(self, prefix, key_K: np.ndarray, slot: int) -> None:
+        """`slot` starts a row of the prefix's prompt, its budget max_total_tokens."""
+        self.state = _start(self.split, self.state, prefix, key_K, np.int32(slot),
+                            self.config.max_total_tokens, self.layout, self.stops,
+                            self.sampling)
+
+    def step(self) -> slots.Sent:
+        """The tokens drawn at the previous step, after dispatching one decode step."""
+        self.state, out = _step(self.graphdef, self.split, self.weights, self.state,
+                                self.layout, self.stops, self.sampling, self.attention)
+        return out
+
+    def extend(self, slot: int, chunk: list[int]) -> None:
+        """Feeds `chunk` to the slot, chunk_width tokens per `extend` call (the last draws)."""
+        w = self.config.chunk_width
+        for i in range(0, len(chunk), w):
+            piece = chunk[i:i + w]
+            ids_W = np.full((w,), self.config.pad_token_id, np.int32)
+            ids_W[:len(piece)] = piece
+            self.state = _extend(self.graphdef, self.split, self.weights, self.state,
+                                 np.int32(slot), ids_W, np.int32(len(piece)),
+                                 np.bool_(i + w >= len(chunk)), self.layout, self.stops,
+                                 self.sampling)
+
+
+class _Episodes:
+    """The host side of a rollout: every row's episode so far, which row each slot holds and
+    the environments' calls; `run` alternates them with the device until every row is done."""
+
+    def __init__(self, device: _Device, config: MultiTurnConfig, ids_BxP: np.ndarray,
+                 mask_BxP: np.ndarray, key_data_BxK, g: int, envs: Sequence[Environment],
+                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 vocab_size: int):
+        self.device, self.config = device, config
+        self.ids_BxP, self.mask_BxP, self.key_data_BxK, self.g = ids_BxP, mask_BxP, key_data_BxK, g
+        self.envs, self.encode, self.decode, self.vocab_size = envs, encode, decode, vocab_size
+        self.eos = set(config.eos_token_ids)
+        self.rows = [Row() for _ in range(len(ids_BxP))]
+        self.owner: dict[int, int] = {}       # slot -> row
+        self.next_row, self.prefix, self.prefix_of = 0, None, -1
+        self.env_time = self.env_wait = 0.0
+        self.decode_steps = 0
+        self.calls = EnvCalls(config.env_workers or config.num_slots)
+
+    def run(self) -> None:
+        """The host loop (module doc): the environments' answers, new rows into free slots,
+        then a decode step while some slot decodes, else a wait on the environments.
+
+        Step k + 1 is dispatched before step k's tokens are read, so the device decodes while
+        the host reads them (a slot whose turn ended at step k idles in step k + 1: its
+        turn's end is decided on the device; the host learns it one step later)."""
+        unread, calls = None, self.calls
+        try:
+            while True:
+                self.take_answers()
+                self.fill_slots()
+                if len(self.owner) > len(calls.waiting):  # some slot decodes (host's view)
+                    out = self.device.step()
+                    self.decode_steps += 1
+                    if unread is not None:
+                        self.take_tokens(unread)
+                    unread = out
+                elif unread is not None:
+                    self.take_tokens(unread)
+                    unread = None
+                elif calls.waiting:
+                    idle = time.perf_counter()
+                    calls.wait(self.config.env_timeout_s)
+                    self.env_wait += time.perf_counter() - idle
+                else:
+                    break
+        finally:
+            calls.close()  # a call past its limit is left on its daemon thread
+
+    def take_answers(self) -> None:
+        """The environments' finished calls into their rows; EnvFailure for a call that
+        raised or is past env_timeout_s."""
+        for slot, future in self.calls.done():
+            r, turn = self.owner[slot], len(self.rows[self.owner[slot]].ends)
+            try:
+                obs, seconds = future.result()
+            except Exception as e:
+                raise EnvFailure(f"env.step(turn) raised {type(e).__name__}: {e}", row=r,
+                                 turn=turn) from e
+            self.env_time += seconds
+            self.take_observation(slot, obs)
+        if (late := self.calls.overdue(self.config.env_timeout_s)) is not None:
+            slot, seconds = late
+            raise EnvFailure(f"env.step(turn) did not return within the time limit "
+                             f"(data.env_timeout_s={self.config.env_timeout_s:g}; "
+                             f"{seconds:.1f} s so far)", row=self.owner[slot],
+                             turn=len(self.rows[self.owner[slot]].ends))
+
+    def fill_slots(self) -> None:
+        """The next rows into the free slots, one device after another; a prompt is
+        prefilled once for its g rows."""
+        for slot in self.device.split.fill_order():
+            if slot in self.owner or self.next_row == len(self.rows):
+                continue
+            if self.next_row // self.g != self.prefix_of:
+                self.prefix_of = self.next_row // self.g
+                self.prefix = self.device.prefill(self.ids_BxP[self.next_row],
+                                                  self.mask_BxP[self.next_row])
+            self.device.start(self.prefix, self.key_data_BxK[self.next_row], slot)
+            self.owner[slot], self.next_row = self.next_row, self.next_row + 1
+
+    def take_tokens(self, out: slots.Sent) -> None:
+        """A step's tokens into their rows; a turn that ended goes to its environment."""
+        out = jax.device_get(out)
+        for slot in np.flatnonzero(out.valid_S).tolist():
+            row = self.rows[self.owner[slot]]
+            assert out.index_S[slot] == len(row.ids), (out.index_S[slot], len(row.ids))
+            token = int(out.token_S[slot])
+            row.add(token, False, out.logp_S[slot], out.logp_raw_S[slot])
+            if out.ended_S[slot]:
+                row.ends.append(len(row.ids))
+                row.eos = token in self.eos
+                text = self.decode(row.ids[row.starts[-1]:])
+                self.calls.submit(slot, self.envs[self.owner[slot]], text)
+
+    def take_observation(self, slot: int, obs: Observation) -> None:
+        """The environment's answer to the slot's turn: its reward and tool stats into the
+        row, then the episode ends (done, EOS, max_turns, no room) or the observation's
+        tokens are fed to the slot (cut to the room left: then it ends too)."""
+        r = self.owner[slot]
+        row = self.rows[r]
+        problem = observation_problem(obs, self.vocab_size)
         if problem is not None:
             raise EnvFailure(problem, row=r, turn=len(row.ends))
         if obs.reward is not None:
@@ -243,90 +378,21 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
         t = obs.tools
         row.tools += (t.calls, t.errors, t.timeouts, t.latency_s)
         if obs.done or row.eos:
-            return finish(slot, False)
-        if len(row.ends) >= config.max_turns:
-            return finish(slot, True)
-        room = c - len(row.ids)
-        new = observation_ids(obs, encode, room)
+            return self.finish(slot, False)
+        if len(row.ends) >= self.config.max_turns:
+            return self.finish(slot, True)
+        room = self.config.max_total_tokens - len(row.ids)
+        new = observation_ids(obs, self.encode, room)
         if len(new) >= room:  # no room for a model token after it: cut, and the episode ends
             for token in new[:room]:
                 row.add(token, True)
-            return finish(slot, True)
+            return self.finish(slot, True)
         chunk = [row.ids[-1], *new]  # the turn's last token was not fed yet
         for token in new:
             row.add(token, True)
         row.starts.append(len(row.ids))
-        for i in range(0, len(chunk), w):
-            piece = chunk[i:i + w]
-            ids_W = np.full((w,), config.pad_token_id, np.int32)
-            ids_W[:len(piece)] = piece
-            state = _extend(graphdef, split, weights, state, np.int32(slot), ids_W,
-                            np.int32(len(piece)), np.bool_(i + w >= len(chunk)), layout, stops,
-                            sampling)
+        self.device.extend(slot, chunk)
 
-    def take_tokens(out: slots.Sent, calls: EnvCalls):
-        """A step's tokens into their rows; a turn that ended goes to its environment."""
-        out = jax.device_get(out)
-        for slot in np.flatnonzero(out.valid_S).tolist():
-            row = rows[owner[slot]]
-            assert out.index_S[slot] == len(row.ids), (out.index_S[slot], len(row.ids))
-            token = int(out.token_S[slot])
-            row.add(token, False, out.logp_S[slot], out.logp_raw_S[slot])
-            if out.ended_S[slot]:
-                row.ends.append(len(row.ids))
-                row.eos = token in eos
-                text = decode(row.ids[row.starts[-1]:])
-                calls.submit(slot, envs[owner[slot]], text)
-
-    # Step k + 1 is dispatched before step k's tokens are read, so the device decodes while
-    # the host reads them (a slot whose turn ended at step k idles in step k + 1: its
-    # turn's end is decided on the device; the host learns it one step later).
-    unread = None
-    calls = EnvCalls(config.env_workers or config.num_slots)
-    try:
-        while True:
-            for slot, future in calls.done():
-                r, turn = owner[slot], len(rows[owner[slot]].ends)
-                try:
-                    obs, seconds = future.result()
-                except Exception as e:
-                    raise EnvFailure(f"env.step(turn) raised {type(e).__name__}: {e}", row=r,
-                                     turn=turn) from e
-                env_time += seconds
-                take_observation(slot, obs)
-            if (late := calls.overdue(config.env_timeout_s)) is not None:
-                slot, seconds = late
-                raise EnvFailure(f"env.step(turn) did not return within the time limit "
-                                 f"(data.env_timeout_s={config.env_timeout_s:g}; "
-                                 f"{seconds:.1f} s so far)", row=owner[slot],
-                                 turn=len(rows[owner[slot]].ends))
-            for slot in split.fill_order():
-                if slot in owner or next_row == b:
-                    continue
-                if next_row // g != prefix_of:
-                    prefix_of = next_row // g
-                    prefix = _prefill(graphdef, split, weights, ids_BxP[next_row],
-                                      mask_BxP[next_row])
-                state = _start(split, state, prefix, key_data_BxK[next_row], np.int32(slot), c,
-                               layout, stops, sampling)
-                owner[slot], next_row = next_row, next_row + 1
-            if len(owner) > len(calls.waiting):  # some slot decodes (as far as the host knows)
-                state, out = _step(graphdef, split, weights, state, layout, stops, sampling,
-                                   slots.Attention(config.attention))
-                decode_steps += 1
-                if unread is not None:
-                    take_tokens(unread, calls)
-                unread = out
-            elif unread is not None:
-                take_tokens(unread, calls)
-                unread = None
-            elif calls.waiting:
-                idle = time.perf_counter()
-                calls.wait(config.env_timeout_s)
-                env_wait += time.perf_counter() - idle
-            else:
-                break
-    finally:
-        calls.close()  # a call past its limit is left on its daemon thread
-    return assemble(rows, ids_BxP, mask_BxP, config, env_time, env_wait,
-                     decode_steps, time.perf_counter() - began)
+    def finish(self, slot: int, truncated: bool) -> None:
+        """The slot's row is done; the slot is free."""
+        self.rows[self.owner.pop(slot)].truncated = truncated
