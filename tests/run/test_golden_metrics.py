@@ -16,36 +16,10 @@ are in `process` with the quickstart prefix, which starts a `jaxrl` process. The
 quickstart (3,000 steps, minutes) is in `learning`, with the other long runs. The checks of
 the comparison and of the golden files run no training and are in the fast tier."""
 
-import math
-
 import pytest
 
-from tests.golden.runs import GOLDEN_DIR, LONG, RUNS, excluded, load_golden, train
-
-REL = ABS = 1e-6
-
-
-def _differences(name: str, want: list[dict], got: list[dict]) -> list[str]:
-    problems = []
-    if len(got) != len(want):
-        problems.append(f"{name}: {len(got)} steps, golden {len(want)}")
-    for i, (w, g) in enumerate(zip(want, got, strict=False)):  # lengths: above
-        step = w.get("step", i)
-        for key in sorted(w.keys() - g.keys()):
-            problems.append(f"{name} step {step}: {key} disappeared (golden {w[key]})")
-        for key in sorted(g.keys() - w.keys()):
-            problems.append(f"{name} step {step}: {key} appeared (got {g[key]})")
-        for key in sorted(w.keys() & g.keys()):
-            if excluded(key):
-                continue
-            if not (w[key] == g[key] or _both_nan(w[key], g[key]) or math.isclose(g[key], w[key], rel_tol=REL,
-                                                     abs_tol=ABS)):
-                problems.append(f"{name} step {step}: {key} golden {w[key]!r} got {g[key]!r}")
-    return problems
-
-
-def _both_nan(a, b) -> bool:
-    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+from tests.golden.runs import GOLDEN_DIR, LONG, RUNS, load_golden, train
+from tests.golden.runs import differences as _differences
 
 
 @pytest.mark.parametrize("name", [
