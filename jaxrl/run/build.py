@@ -170,7 +170,7 @@ def _policy(cfg: ExperimentConfig, run_dir: Path, task: Task, mesh: Mesh, layout
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
                             attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
-                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
+                            lora=cfg.model.lora)
     return model, tokenizer
 
 
@@ -310,7 +310,7 @@ def _check_lora_fits(cfg: ExperimentConfig, model_path: Path, mesh: Mesh) -> Non
     spread evenly, before any is drawn: `from_pretrained` draws them in one program, and a
     rank of 10^6 on the quickstart (2.8 billion adapter parameters) took 7 GB and then the
     OOM killer, not an error. (What the step needs is the compiled step's check.)"""
-    lora = cfg.model.lora.build()
+    lora = cfg.model.lora
     try:
         config = read_config(model_path, dtype=cfg.model.dtype)
         limit, source = memory_limit(cfg.perf.memory_limit_gib, mesh.local_devices[0])
