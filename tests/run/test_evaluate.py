@@ -20,7 +20,7 @@ from jaxrl.rollout.settings import SamplingParams
 from jaxrl.run.build import build_run, policy
 from jaxrl.run.evaluate import Evaluator, append_eval, pass_at_k
 from jaxrl.saved.files import EVAL_FILE
-from jaxrl.step.builder import prompt_success
+from jaxrl.step.learner import prompt_success
 from tests.test_shipped_configs import ROOT
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
