@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,8 +103,9 @@ def upgrade_saved(config: Any) -> Any:
 
 def _placed(error: Exception, node: Any, key: str = "") -> str:
     """The message of `error`, raised making the section `node` (at `key`) or one inside it.
-    A type held at several keys (SamplingParams, EngineConfig) names its fields alone: the key
-    of the section that raised is put before a message that does not start with it."""
+    A type held at several keys (SamplingParams, EngineConfig) names its fields alone: a
+    message that starts with a field of the section that raised (`top_k must be ...`) gets
+    the section's key before it."""
     for name in node:
         child = node[name]
         if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
@@ -112,7 +114,9 @@ def _placed(error: Exception, node: Any, key: str = "") -> str:
             except (TypeError, ValueError) as e:
                 return _placed(e, child, f"{key}{name}.")
     message = str(error)
-    return message if message.startswith(key) else key + message
+    first = re.match(r"\w+", message)
+    fields = {f.name for f in dataclasses.fields(OmegaConf.get_type(node))}
+    return key + message if key and first and first.group() in fields else message
 
 
 def _describe(error: Exception, schema: type, where: str) -> str:
