@@ -89,7 +89,7 @@ def part_decode(args) -> None:
                       jnp.ones((args.batch, 16), bool))
     samplers = {}
     for mode in ("merged", "on_the_fly"):
-        config = dataclasses.replace(base, lora=LoraConfig(8, 16.0, LORA_MODULES, mode))
+        config = dataclasses.replace(base, lora=LoraConfig(8, 16.0, LORA_MODULES, rollout=mode))
         graphdef, adapters, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)),
                                              nnx.LoRAParam, ...)
         adapters = jax.tree.map(lambda x: 0.02 * jnp.asarray(rng.standard_normal(x.shape),

@@ -117,7 +117,7 @@ def start_server(model: str, slots: int, max_prompt: int, max_output: int,
         port = s.getsockname()[1]
     args = [sys.executable, "-m", "jaxrl.cli", "serve", f"model.path={model}",
             f"serve.port={port}", "serve.host=127.0.0.1", f"serve.max_slots={slots}",
-            "serve.temperature=0", "rollout.ignore_eos=true",
+            "serve.sampling.temperature=0", "rollout.ignore_eos=true",
             f"serve.max_prefill_length={max_prompt}", f"serve.max_new_tokens={max_output}",
             *overrides]
     process = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,

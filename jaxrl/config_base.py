@@ -47,8 +47,11 @@ def read_yaml(path: str | Path, *, what: str) -> Any:
 
 
 def fail(section: str, obj: Any, name: str, requirement: str) -> NoReturn:
-    """Raises the one message of a bad config value: `section.name must be ..., got ...`."""
-    raise ValueError(f"{section}.{name} must be {requirement}, got {getattr(obj, name)!r}")
+    """Raises the one message of a bad config value: `section.name must be ..., got ...` (a
+    tuple shown as the YAML list it was written as)."""
+    value = getattr(obj, name)
+    raise ValueError(f"{section}.{name} must be {requirement}, got "
+                     f"{list(value) if isinstance(value, tuple) else value!r}")
 
 
 def require_at_least(section: str, obj: Any, names: tuple[str, ...], minimum: int = 1,

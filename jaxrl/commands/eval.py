@@ -63,7 +63,7 @@ def run_eval(cfg: ExperimentConfig, console: Console, *,
     if restored is not None:
         source = f"checkpoint of step {restored}"
     console.print(f"[bold]eval[/]: {source}, {cfg.eval.num_prompts} held-out prompts x "
-                  f"{cfg.eval.num_samples} sample(s), temperature {cfg.eval.temperature}")
+                  f"{cfg.eval.num_samples} sample(s), temperature {cfg.eval.sampling.temperature}")
     metrics = Evaluator(run, cfg.eval)(policy(run.step, state)[1])
     path = append_eval(run_dir, restored, metrics)
     console.print(_table(metrics, f"jaxrl eval: {source}"))

@@ -80,12 +80,12 @@ def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: thre
     slots = _slots(cfg, model_config, params, mesh, layout.rollout_rules)
     spec = EngineSpec(
         num_slots=slots, max_prefill_length=serve.max_prefill_length,
-        max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size,
-        sampling=serve.sampling_params(),
+        max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.engine.page_size,
+        sampling=serve.sampling,
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
             tokenizer, model_config, cfg.rollout.stop_token_ids),
         tokenizer_dir=str(model_dir), chat_template=serve.chat_template,
-        buckets=serve.prefill_buckets(), attention=cfg.rollout.attention,
+        buckets=serve.prefill_buckets(), attention=cfg.rollout.engine.attention,
         dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype,
         seed=serve.seed)
     engine = JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=layout.rollout_rules)
@@ -170,7 +170,7 @@ def _slots(cfg: ExperimentConfig, model_config, params: nnx.State, mesh, rules) 
     weights = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
                   if s.device == device)
     kw = dict(max_prefill_length=serve.max_prefill_length,
-              max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.page_size)
+              max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.engine.page_size)
     per_slot = serving.slot_bytes(model_config, **kw)
     if serve.max_slots is not None:  # checked before the engine allocates the pool
         fit = serving.slots_that_fit(model_config, memory_bytes=memory, weight_bytes=weights,

@@ -12,7 +12,7 @@ from jaxrl.config.model import (
     TrainModelSection,
 )
 from jaxrl.config.run import LogSection, PerfSection, TrainSection
-from jaxrl.config.sampling import EvalSection, RolloutSection, SamplingSection
+from jaxrl.config.sampling import EvalSection, RolloutSection
 from jaxrl.config.serve import ServeSection
 from jaxrl.config_base import ConfigError, fail, require_at_least
 from jaxrl.data.section import DataSection
@@ -21,7 +21,7 @@ from jaxrl.distributed.settings import DistributedSection
 __all__ = [
     "AlgoSection", "ConfigError", "DType", "DataSection", "DistributedSection", "EvalSection",
     "ExperimentConfig", "Family", "InitSection", "LogSection", "ModelSection", "OptimSection",
-    "PerfSection", "RolloutSection", "RunDirError", "SamplingSection", "ServeSection", "ShardingSection",
+    "PerfSection", "RolloutSection", "RunDirError", "ServeSection", "ShardingSection",
     "TrainModelSection", "TrainSection", "fail", "load_config", "require_at_least",
     "shipped_config", "to_yaml",
 ]

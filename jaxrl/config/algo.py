@@ -6,7 +6,7 @@
     optim  AdamW on a warmup + cosine schedule with global-norm clipping (`jaxrl.step.optimizer`)
 
 Both can be built in Python as well as from YAML, so they check their own types and choices.
-The trainer's temperature is `rollout.temperature` (one field: the distribution the tokens
+The trainer's temperature is `rollout.sampling.temperature` (one field: the distribution the tokens
 were sampled from).
 """
 

@@ -2,7 +2,8 @@
 
     model        which policy: a local HF directory, or (path: null) a random one of `model.init`
     sharding     the layout preset (mesh shape + rule sets), `auto` by default
-    rollout      sampling: group size, completion budget, temperature / top-k / top-p
+    rollout      sampling: group size, completion budget, sampling (temperature / top-k /
+                 top-p), the engine (slots, pages, batching)
     algo         what one RL step computes: advantages, loss, updates, fused/split
     optim        AdamW, schedule, clipping
     data         the task (prompts + verifier rewards) and how prompts are batched
@@ -62,17 +63,18 @@ class ExperimentConfig:
             except ValueError as e:
                 raise ValueError(f"algo.overlong_buffer={algo.overlong_buffer} with "
                                  f"rollout.max_new_tokens={rollout.max_new_tokens}: {e}") from None
-        if not rollout.temperature > 0:
-            raise ValueError(f"rollout.temperature must be > 0 to train (the trainer scores "
-                             f"each token under the distribution it was sampled from), got "
-                             f"{rollout.temperature}")
-        if algo.loss.uses_sampler_logp and rollout.temperature != 1.0:
+        temperature = rollout.sampling.temperature
+        if not temperature > 0:
+            raise ValueError(f"rollout.sampling.temperature must be > 0 to train (the trainer "
+                             f"scores each token under the distribution it was sampled from), "
+                             f"got {temperature}")
+        if algo.loss.uses_sampler_logp and temperature != 1.0:
             # The correction divides by the sampler's temperature-1 log-probs (logp_raw_BxC);
             # at another temperature the ratio would compare two different distributions.
             raise ValueError(f"algo.loss.correction={algo.loss.correction!r} with tis_cap="
-                             f"{algo.loss.tis_cap} needs rollout.temperature=1.0 (the "
-                             f"sampler's log-probs it corrects are at temperature 1), got "
-                             f"{rollout.temperature}")
+                             f"{algo.loss.tis_cap} needs rollout.sampling.temperature=1.0 "
+                             f"(the sampler's log-probs it corrects are at temperature 1), got "
+                             f"{temperature}")
         if rollout.inflight_updates and (algo.mode != "async" or algo.max_staleness < 2):
             # A batch spans max_staleness steps from its first piece to its training; with
             # fewer than 2 no new weights arrive while it is generated.

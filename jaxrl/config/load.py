@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from jaxrl.config_base import ConfigError, read_yaml
@@ -43,8 +44,19 @@ def shipped_config(name: str) -> Path:
 # Keys that earlier versions had (and wrote into a run's config.yaml), and why they are gone.
 # A config or override that sets one is an error saying so; a run's saved config drops it.
 REMOVED_KEYS = {
-    "algo.temperature": "the trainer scores every token at rollout.temperature, the "
+    "algo.temperature": "the trainer scores every token at rollout.sampling.temperature, the "
                         "distribution it was sampled from; set that instead",
+}
+
+# Keys that moved when the sections came to hold the library's own types (the sampler's
+# SamplingParams, the engine's EngineConfig): old key -> new key. A config or override that
+# sets an old key is an error naming the new one; a run's saved config has it moved.
+MOVED_KEYS = {
+    **{f"{section}.{name}": f"{section}.sampling.{name}"
+       for section in ("rollout", "eval", "serve") for name in ("temperature", "top_k", "top_p")},
+    **{f"rollout.{name}": f"rollout.engine.{name}"
+       for name in ("batching", "max_slots", "page_size", "min_slots", "attention")},
+    "rollout.kv_pages": "rollout.engine.row_pages",
 }
 
 
@@ -52,12 +64,12 @@ def load_config(schema: type[T], path: str | Path | None = None,
                 overrides: Sequence[str] = (), *, saved: bool = False) -> T:
     """The `schema` instance from a YAML file and `key.sub=value` overrides (later wins).
     `saved`: the file is a run's config.yaml, written maybe by an earlier version: keys of
-    REMOVED_KEYS are dropped from it."""
+    REMOVED_KEYS are dropped from it, those of MOVED_KEYS moved."""
     merged = OmegaConf.structured(schema)
     sources: list[tuple[str, object]] = []
     if path is not None:
         tree = read_yaml(path, what="config file")
-        sources.append((str(path), lambda: drop_removed(tree) if saved else tree))
+        sources.append((str(path), lambda: upgrade_saved(tree) if saved else tree))
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not key:
@@ -73,23 +85,46 @@ def load_config(schema: type[T], path: str | Path | None = None,
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e, schema, "?")) from None
     except (TypeError, ValueError) as e:  # from a section's __post_init__
-        raise ConfigError(str(e)) from None
+        raise ConfigError(_placed(e, merged)) from None
 
 
-def drop_removed(config: Any) -> Any:
-    """`config` (an OmegaConf tree of a saved config.yaml) without the REMOVED_KEYS."""
-    for key in REMOVED_KEYS:
+def upgrade_saved(config: Any) -> Any:
+    """`config` (an OmegaConf tree of a saved config.yaml) without the REMOVED_KEYS and with
+    the MOVED_KEYS at their new keys."""
+    for key in (*REMOVED_KEYS, *MOVED_KEYS):
         section, _, name = key.rpartition(".")
         parent = OmegaConf.select(config, section)
         if parent is not None and name in parent:
-            parent.pop(name)
+            value = parent.pop(name)
+            if key in MOVED_KEYS:
+                OmegaConf.update(config, MOVED_KEYS[key], value, force_add=True)
     return config
+
+
+def _placed(error: Exception, node: Any, key: str = "") -> str:
+    """The message of `error`, raised making the section `node` (at `key`) or one inside it.
+    A type held at several keys (SamplingParams, EngineConfig) names its fields alone: a
+    message that starts with a field of the section that raised (`top_k must be ...`) gets
+    the section's key before it."""
+    for name in node:
+        child = node[name]
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            try:
+                OmegaConf.to_object(child)
+            except (TypeError, ValueError) as e:
+                return _placed(e, child, f"{key}{name}.")
+    message = str(error)
+    first = re.match(r"\w+", message)
+    fields = {f.name for f in dataclasses.fields(OmegaConf.get_type(node))}
+    return key + message if key and first and first.group() in fields else message
 
 
 def _describe(error: Exception, schema: type, where: str) -> str:
     key = getattr(error, "full_key", None) or where
     if key in REMOVED_KEYS:
         return f"config key {key!r} was removed: {REMOVED_KEYS[key]}"
+    if key in MOVED_KEYS:
+        return f"config key {key} is now {MOVED_KEYS[key]} (README: Config keys that moved)"
     message = str(error).splitlines()[0]
     hint = ""
     if "Did you mean" not in message and "not in" in message:

@@ -11,11 +11,10 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Literal
 
 from jaxrl.config_base import fail, require_at_least
-from jaxrl.models.lora_config import LORA_MODULES, LoraConfig, match_targets
+from jaxrl.models.lora_config import LoraConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
@@ -86,57 +85,12 @@ class InitSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraSection:
-    """`model.lora`: low-rank adapters on the projections, trained instead of the weights
-    (`jaxrl.models.lora`): y = x W^T + (alpha / rank) · (x A^T) B^T."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    # Regexes, each fully matching HF module names (q_proj ... down_proj) or parent.name
-    # (self_attn.q_proj, mlp.up_proj); `.*_proj` targets all seven.
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_MODULES))
-    # Only 0: dropout on the adapters' input would make the trainer's forward differ from
-    # the sampler's (sampler == trainer log-probs) and from the old policy's of the same step.
-    dropout: float = 0.0
-    # How the rollout applies them: folded into the weights once per step (merged) or added
-    # at every decoded token (on_the_fly); benchmarks/README.md measures both.
-    rollout: Literal["merged", "on_the_fly"] = "merged"
-    seed: int = 0  # draws A (B starts at 0: the adapted policy starts as the base)
-
-    def __post_init__(self):
-        require_at_least("model.lora", self, ("rank",))
-        if not self.alpha > 0:
-            fail("model.lora", self, "alpha", "> 0")
-        if self.dropout != 0:
-            fail("model.lora", self, "dropout",
-                 "0.0 (adapter dropout would break sampler == trainer log-probs)")
-        targets = list(self.target_modules)
-        if not targets:
-            fail("model.lora", self, "target_modules", f"a non-empty list of regexes of the "
-                                                       f"modules to adapt, e.g. {LORA_MODULES}")
-        for pattern in targets:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                fail("model.lora", self, "target_modules",
-                     f"a list of valid regexes ({pattern!r} is not one: {e})")
-        try:
-            match_targets(tuple(targets))
-        except ValueError as e:
-            fail("model.lora", self, "target_modules", f"patterns that match modules ({e})")
-
-    def build(self) -> LoraConfig:
-        return LoraConfig(self.rank, self.alpha, match_targets(tuple(self.target_modules)),
-                          self.rollout, self.seed)
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainModelSection(ModelSection):
     """`model` of an experiment: `ModelSection` plus `init` for a random policy (path null)
     and `lora` (null: full fine-tuning)."""
 
     init: InitSection = dataclasses.field(default_factory=InitSection)
-    lora: LoraSection | None = None
+    lora: LoraConfig | None = None  # jaxrl.models.lora_config: its keys and checks
 
 
 @dataclasses.dataclass(frozen=True)

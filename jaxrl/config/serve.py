@@ -1,8 +1,9 @@
 """The `serve` section: what `jaxrl serve` (JetStream's server over jaxrl's engine) runs with.
 
-Sampling (temperature / top-k / top-p) is the server's own, not training's `rollout`: a
-policy trained at temperature 1 is often served greedy. The KV pool's page size and the
-attention path come from `rollout` (the same engine); the stop tokens too
+Sampling (`serve.sampling`: temperature / top-k / top-p, the sampler's own `SamplingParams`)
+is the server's, not training's `rollout.sampling`: a policy trained at temperature 1 is often
+served greedy. The KV pool's page size and the attention path come from `rollout.engine`
+(the same engine); the stop tokens from `rollout`
 (`rollout.stop_token_ids`, `rollout.ignore_eos`).
 """
 
@@ -10,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.config.sampling import SamplingSection
 from jaxrl.config_base import fail, require_at_least
+from jaxrl.rollout.settings import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeSection(SamplingSection):
+class ServeSection:
     """`serve`: address, slots, request limits and sampling of `jaxrl serve`."""
 
-    _section = "serve"
     host: str = "0.0.0.0"
     port: int = 9000  # 0: any free port (printed)
     # Decode slots (requests decoded at once), split over the rollout layout's batch axes
@@ -33,6 +33,7 @@ class ServeSection(SamplingSection):
     seed: int = 0  # request i of the server's life samples with fold_in(key(seed), i)
     drain_timeout_s: float = 60.0  # SIGTERM/SIGINT: how long requests in flight may finish
     warmup: bool = True  # compile every program before printing the address
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     def __post_init__(self):
         require_at_least("serve", self, ("port",), 0)
@@ -44,7 +45,6 @@ class ServeSection(SamplingSection):
             fail("serve", self, "memory_fraction", "in (0, 1]")
         if not self.drain_timeout_s >= 0:
             fail("serve", self, "drain_timeout_s", ">= 0 seconds")
-        super().__post_init__()
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """The padded prompt lengths (one compiled prefill each): powers of two from 16 below

@@ -185,7 +185,7 @@ def _pallas(q_SxNxH, kv_pages_PxTx2KxH, page_table_SxM, length_S, *, scale, slid
             pages_per_block):
     """The TPU kernel on one query per slot (cu_q_lens 0, 1, ..., S)."""
     if jax.default_backend() != "tpu":
-        raise ValueError(f"rollout.attention=pallas runs the TPU kernel "
+        raise ValueError(f"rollout.engine.attention=pallas runs the TPU kernel "
                          f"ragged_paged_attention; this backend is {jax.default_backend()!r} "
                          f"(use 'xla' or 'auto')")
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention

@@ -21,7 +21,7 @@ stay split between pieces: the `Partial`'s progress is the D devices' progress s
 row keys, limits and queue those of the device's own rows. Each device runs up to `stop_at`
 iterations of its own. So a `Partial` made on D devices resumes on D devices of that layout.
 
-A rollout in pieces keeps its slot count (`rollout.min_slots` does not apply). `Partial` is a
+A rollout in pieces keeps its slot count (`rollout.engine.min_slots` does not apply). `Partial` is a
 pytree of arrays only (the call's key kept as raw bits), so it can cross program boundaries
 and be checkpointed; `constrain_partial` / `partial_shardings` give it one layout on a mesh,
 so the program that resumes it compiles once.

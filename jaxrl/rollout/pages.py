@@ -52,7 +52,7 @@ class PoolLayout:
         decode step would read padding only.
         """
         if page_size < 1:
-            raise ValueError(f"rollout.page_size must be >= 1, got {page_size}")
+            raise ValueError(f"rollout.engine.page_size must be >= 1, got {page_size}")
         page_size = min(page_size, prompt_len + max_new_tokens - 1)
         prompt_pages = -(-prompt_len // page_size)
         worst = worst_row_pages(prompt_len, max_new_tokens, page_size)

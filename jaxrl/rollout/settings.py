@@ -1,7 +1,9 @@
 """The settings of the engine, apart from the engine: how a token is drawn (`SamplingParams`),
 how the slots read the page pool (`Attention`) and how a rollout batches and pages
-(`EngineConfig`). Plain frozen dataclasses checked when made; the config sections hold them
-(`jaxrl.config.sampling`) without importing the engine."""
+(`EngineConfig`). Plain frozen dataclasses checked when made; the config sections are them
+(`rollout.sampling`, `rollout.engine`, `eval.sampling`, `serve.sampling`: `jaxrl.config`)
+without importing the engine. Their messages name the field alone (`top_k must be ...`): the
+config loader puts the key of the section that raised before it."""
 
 from __future__ import annotations
 
@@ -43,27 +45,39 @@ Batching = Literal["continuous", "static"]
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the engine batches and pages (the static part of one rollout call)."""
+    """How the engine batches and pages (the static part of one rollout call); the config's
+    `rollout.engine` section itself."""
 
-    max_slots: int | None = None  # None: every row at once
-    page_size: int = 16
+    # continuous: a slot whose row ends takes the next pending row; static: batches of
+    # max_slots rows, each waiting for its longest row.
     batching: Batching = "continuous"
-    attention: Literal["auto", "xla", "pallas"] = "auto"
-    pages_per_block: int = 8
-    row_pages: int | None = None  # None: every slot's worst case fits at once
-    # The tail halving (`rollout`): halve down to this; None: the slot count stays; "auto":
-    # `slot_count.tail_min_slots` chooses from the call's shapes.
+    max_slots: int | None = None  # decode slots; None: every row of the call at once
+    page_size: int = 16  # tokens per KV page
+    row_pages: int | None = None  # row pages in the pool; None: every slot's worst case
+    # Continuous batching only: once no row waits, the live rows move into half as many slots
+    # whenever they fit, down to min_slots (each halving compiles one more decode loop), so a
+    # long tail of rows stops paying for free slots. None: the slot count never changes;
+    # "auto": down to max(2, slots / 32) when rows may run 32 tokens or more, else never
+    # (`slot_count.tail_min_slots`; in-flight pieces keep their slots).
     min_slots: int | Literal["auto"] | None = "auto"
+    # auto: the TPU kernel (Pallas ragged_paged_attention) on TPU when it takes the shapes,
+    # else the XLA path (blocks of pages up to the longest live row)
+    attention: Literal["auto", "xla", "pallas"] = "auto"
+    pages_per_block: int = 8  # pages the XLA path reads per block
 
     def __post_init__(self):
-        if self.max_slots is not None and self.max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1 or None, got {self.max_slots}")
+        for name in ("page_size", "pages_per_block"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_slots", "row_pages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {getattr(self, name)}")
         if self.min_slots != "auto" and self.min_slots is not None and (
                 isinstance(self.min_slots, str) or self.min_slots < 2):
-            raise ValueError(f"min_slots must be >= 2, 'auto' or None, got {self.min_slots!r}")
+            raise ValueError(f"min_slots must be >= 2, 'auto' or null, got {self.min_slots!r}")
         if self.min_slots not in (None, "auto") and self.batching == "static":
             raise ValueError(f"min_slots={self.min_slots} shrinks continuous batching's "
-                             f"slots; with batching=static expected None")
+                             f"slots; with batching=static expected null")
         if self.attention not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention must be 'auto', 'xla' or 'pallas', got "
                              f"{self.attention!r}")

@@ -1,5 +1,5 @@
 """How many decode slots a rollout runs with: its slot count, and the tiers of ever fewer
-slots its tail moves into (`decode_loop.rollout`, `rollout.min_slots`)."""
+slots its tail moves into (`decode_loop.rollout`, `rollout.engine.min_slots`)."""
 
 from __future__ import annotations
 

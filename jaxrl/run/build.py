@@ -170,7 +170,7 @@ def _policy(cfg: ExperimentConfig, run_dir: Path, task: Task, mesh: Mesh, layout
                             compute_dtype=cfg.model.compute_dtype, mesh=mesh,
                             rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
                             attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
-                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
+                            lora=cfg.model.lora)
     return model, tokenizer
 
 
@@ -252,8 +252,8 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
         max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
         stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
             tokenizer, model_config, cfg.rollout.stop_token_ids),
-        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling_params(),
-        engine=cfg.rollout.engine_config())
+        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling,
+        engine=cfg.rollout.engine)
     sampler = Sampler(model_graphdef, sampler_config, mesh=rollout_mesh or mesh,
                       rules=rollout_layout.rollout_rules)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
@@ -310,7 +310,7 @@ def _check_lora_fits(cfg: ExperimentConfig, model_path: Path, mesh: Mesh) -> Non
     spread evenly, before any is drawn: `from_pretrained` draws them in one program, and a
     rank of 10^6 on the quickstart (2.8 billion adapter parameters) took 7 GB and then the
     OOM killer, not an error. (What the step needs is the compiled step's check.)"""
-    lora = cfg.model.lora.build()
+    lora = cfg.model.lora
     try:
         config = read_config(model_path, dtype=cfg.model.dtype)
         limit, source = memory_limit(cfg.perf.memory_limit_gib, mesh.local_devices[0])

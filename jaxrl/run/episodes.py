@@ -109,8 +109,8 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
     stops = (*end_tag_ids(spec, tools, tokenizer), *r.stop_token_ids)
     config = MultiTurnConfig(
         max_turns=r.max_turns, max_total_tokens=r.completion_budget,
-        max_turn_tokens=r.max_new_tokens, num_slots=min(r.max_slots or b, b),
-        page_size=r.page_size, stop_token_ids=tuple(dict.fromkeys(stops)),
+        max_turn_tokens=r.max_new_tokens, num_slots=min(r.engine.max_slots or b, b),
+        page_size=r.engine.page_size, stop_token_ids=tuple(dict.fromkeys(stops)),
         eos_token_ids=() if r.ignore_eos else tuple(eos_ids),
         pad_token_id=pad_token_id(tokenizer), env_timeout_s=cfg.data.env_timeout_s)
 

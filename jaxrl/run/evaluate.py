@@ -1,8 +1,8 @@
 """Evaluation of the policy on held-out prompts: n samples each, reward, exact match, pass@k.
 
     rows     = task.eval_rows(eval.num_prompts, eval.seed)   held-out, never training rows
-    samples  = eval.num_samples completions per prompt, drawn with eval.temperature / top_k /
-               top_p (temperature 0: greedy, n = 1) by the same compiled sampler code
+    samples  = eval.num_samples completions per prompt, drawn with eval.sampling.temperature /
+               top_k / top_p (temperature 0: greedy, n = 1) by the same compiled sampler code
     r_pj     = Σ_k w_k · r_k,pj, the task's rewards of sample j of prompt p (weights as in
                training); the sample is *solved* when r_pj is the highest total a sample can
                earn (`RewardSet.solved`; addition: every digit and the EOS right)
@@ -113,7 +113,7 @@ class Evaluator:
         self.rewards = rewards = task.reward_set(run.tokenizer, rows)
         n = cfg.num_samples
         config = dataclasses.replace(
-            run.step.sampler.config, num_generations=n, sampling=cfg.sampling_params(),
+            run.step.sampler.config, num_generations=n, sampling=cfg.sampling,
             stop_token_ids=stop_token_ids(run.tokenizer, run.model_config,
                                           run.cfg.rollout.stop_token_ids))
         self.sampler = _sampler(run.step.sampler.graphdef, config, run.mesh,
@@ -145,7 +145,7 @@ class Evaluator:
     def _multiturn(self, params, prompts_B, rows_B, keys_B) -> Rollout:
         model = nnx.merge(self.sampler.graphdef, params)
         return run_episodes(model, self._episodes, prompts_B, rows_B, keys_B,
-                            self.cfg.sampling_params(), self.cfg.num_samples,
+                            self.cfg.sampling, self.cfg.num_samples,
                             mesh=self.sampler.mesh, rules=self.sampler.rules)[1]
 
     @property

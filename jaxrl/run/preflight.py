@@ -200,7 +200,7 @@ def _check_queue(run: Run, state: nnx.State, args: tuple[Any, ...],
 def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,
                  console: Console) -> list[ProgramMemory]:
     """The step recompiled with the largest KV pool that fits, when the engine's default
-    pool (every slot's worst case at once) does not and `rollout.kv_pages` is unset; else
+    pool (every slot's worst case at once) does not and `rollout.engine.row_pages` is unset; else
     the error stands. A pool of R row pages makes the peak a convex, piecewise linear
     function of R (a constant part, and the generate phase's part growing with R), so the
     line through the peaks at one worst-case row (R_min) and at the default (R_max) bounds it
@@ -241,7 +241,7 @@ def _fit_kv_pool(run: Run, args: tuple[Any, ...], error: MemoryFitError,
                   f"(~{format_bytes(int(per_page))} of peak each) fit beside the rest of the "
                   f"step; every slot's worst "
                   f"case at once needs {most:,}, so rows may wait for pages "
-                  f"(rollout.kv_pages sets the pool)")
+                  f"(rollout.engine.row_pages sets the pool)")
     return programs
 
 

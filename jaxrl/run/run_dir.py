@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 
 from jaxrl import __version__
 from jaxrl.config import ExperimentConfig, RunDirError, to_yaml
-from jaxrl.config.load import drop_removed
+from jaxrl.config.load import upgrade_saved
 from jaxrl.config_base import read_yaml
 from jaxrl.distributed import broadcast, is_main, sync
 from jaxrl.saved.files import (
@@ -305,7 +305,7 @@ def _check_same_experiment(cfg: ExperimentConfig, run_dir: Path) -> None:
     if not path.is_file():
         raise RunDirError(f"train.run_dir {str(run_dir)!r} has checkpoints but no {CONFIG_FILE}: "
                           f"it was not written by jaxrl train")
-    saved = _flatten(OmegaConf.to_container(drop_removed(read_yaml(path, what="the run's saved"))))
+    saved = _flatten(OmegaConf.to_container(upgrade_saved(read_yaml(path, what="the run's saved"))))
     new = _flatten(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
     # A key the saved config lacks was added by a later jaxrl: the run had its default.
     defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(ExperimentConfig)))

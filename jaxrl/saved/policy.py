@@ -35,7 +35,7 @@ def load_run_policy(run_dir: str | Path, step: int | None = None
     model = from_pretrained(model_dir, dtype=cfg.model.dtype,
                             compute_dtype=cfg.model.compute_dtype,
                             scan_layers=cfg.model.scan_layers,
-                            lora=None if cfg.model.lora is None else cfg.model.lora.build())
+                            lora=cfg.model.lora)
     checkpoints = Checkpoints(run_dir, async_save=False, base=None if cfg.model.lora is None
                               else base_reference(model_dir))
     try:

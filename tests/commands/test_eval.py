@@ -22,7 +22,7 @@ QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 TINY = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
         "rollout.num_generations=4", "algo.num_minibatches=2", "perf.count_flops=false",
         "log.plot=false", "log.tensorboard=false", "eval.num_prompts=16", "eval.batch_size=8"]
-SAMPLED = ["eval.num_samples=2", "eval.temperature=1.0", "eval.k=[1,2]"]
+SAMPLED = ["eval.num_samples=2", "eval.sampling.temperature=1.0", "eval.k=[1,2]"]
 
 
 def last_json(capsys):
@@ -134,7 +134,7 @@ def test_eval_a_fresh_run_dir_then_the_same_policy_then_a_checkpoint(tmp_path, c
     ([], ["train.run_dir", "null"]),
     (["train.run_dir=somewhere", "eval.num_prompts=0"], ["eval.num_prompts", ">= 1", "0"]),
     (["train.run_dir=somewhere", "eval.num_samples=4"], ["eval.num_samples=4",
-                                                         "eval.temperature > 0"]),
+                                                         "eval.sampling.temperature > 0"]),
 ])
 def test_bad_eval_invocations_exit_2_naming_the_key(overrides, words, tmp_path, capsys,
                                                     monkeypatch):

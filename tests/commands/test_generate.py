@@ -40,7 +40,7 @@ def test_generate_prints_completions_per_prompt(model_dir, capsys):
 
 
 def test_generate_is_reproducible_and_greedy_rows_agree(model_dir, capsys):
-    overrides = [f"model.path={model_dir}", "generate.prompts=[abc]", "rollout.temperature=0",
+    overrides = [f"model.path={model_dir}", "generate.prompts=[abc]", "rollout.sampling.temperature=0",
                  "rollout.num_generations=3", "rollout.max_new_tokens=6", "sharding.layout=fsdp"]
     cfg = load_config(GenerateConfig, None, overrides)
     first = run_generate(cfg, console=_quiet())
@@ -68,8 +68,8 @@ def test_generate_needs_a_model_directory_with_a_tokenizer(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("rollout.temperature=-1", ["rollout.temperature", "-1"]),
-    ("rollout.top_p=1.5", ["rollout.top_p", "1.5"]),
+    ("rollout.sampling.temperature=-1", ["rollout.sampling.temperature", "-1"]),
+    ("rollout.sampling.top_p=1.5", ["rollout.sampling.top_p", "1.5"]),
     ("rollout.max_new_tokens=0", ["rollout.max_new_tokens", "0"]),
     ("generate.prompts=[]", ["generate.prompts", "empty"]),
 ])

@@ -7,6 +7,8 @@ from typing import Literal
 import pytest
 
 from jaxrl.config import ConfigError, ModelSection, RolloutSection, load_config, to_yaml
+from jaxrl.config.load import MOVED_KEYS
+from jaxrl.rollout.settings import EngineConfig, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,8 @@ def test_a_removed_key_says_why_and_a_saved_config_drops_it(tmp_path):
     from jaxrl.config.load import REMOVED_KEYS
 
     quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-    with pytest.raises(ConfigError, match="'algo.temperature' was removed: .*rollout.temperature"):
+    with pytest.raises(ConfigError, match="'algo.temperature' was removed: "
+                                          ".*rollout.sampling.temperature"):
         load_config(ExperimentConfig, quickstart, ["algo.temperature=1.0"])
     # A run directory of an earlier version saved algo.temperature (always = the rollout's).
     cfg = load_config(ExperimentConfig, quickstart)
@@ -123,25 +126,64 @@ def test_a_removed_key_says_why_and_a_saved_config_drops_it(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("rollout.page_size=0", r"rollout.page_size must be >= 1, got 0"),
-    ("rollout.max_slots=0", r"rollout.max_slots must be >= 1 or null, got 0"),
-    ("rollout.kv_pages=-3", r"rollout.kv_pages must be >= 1 or null, got -3"),
-    ("rollout.min_slots=1", r"rollout.min_slots must be >= 2, 'auto' or null, got 1"),
-    ("rollout.min_slots=most", r"rollout.min_slots must be an integer >= 2, 'auto' or null, "
-                               r"got 'most'"),
-    ("rollout.batching=dynamic", r"rollout.batching"),
-    ("rollout.attention=flash", r"rollout.attention"),
+    ("rollout.engine.page_size=0", r"rollout.engine.page_size must be >= 1, got 0"),
+    ("rollout.engine.max_slots=0", r"rollout.engine.max_slots must be >= 1 or null, got 0"),
+    ("rollout.engine.row_pages=-3", r"rollout.engine.row_pages must be >= 1 or null, got -3"),
+    ("rollout.engine.pages_per_block=0", r"rollout.engine.pages_per_block must be >= 1, got 0"),
+    ("rollout.engine.min_slots=1", r"rollout.engine.min_slots must be >= 2, 'auto' or null, "
+                                   r"got 1"),
+    ("rollout.engine.min_slots=most", r"'rollout.engine.min_slots': Value 'most'"),
+    ("rollout.engine.batching=dynamic", r"rollout.engine.batching"),
+    ("rollout.engine.attention=flash", r"rollout.engine.attention"),
+    ("rollout.sampling.top_k=0", r"rollout.sampling.top_k must be >= 1 or null, got 0"),
 ])
 def test_bad_engine_settings_name_the_key(override, match):
+    """rollout.engine and rollout.sampling are the engine's own EngineConfig and
+    SamplingParams: their checks, the key named by the loader."""
     with pytest.raises(ConfigError, match=match):
         load_config(Schema, None, [override])
-    cfg = load_config(Schema, None, ["rollout.max_slots=8", "rollout.batching=static"])
-    assert cfg.rollout.engine_config().max_slots == 8
-    assert cfg.rollout.engine_config().batching == "static"
-    with pytest.raises(ConfigError, match="rollout.min_slots=4 shrinks continuous"):
-        load_config(Schema, None, ["rollout.min_slots=4", "rollout.batching=static"])
-    cfg = load_config(Schema, None, ["rollout.max_slots=64", "rollout.min_slots=4"])
-    assert cfg.rollout.engine_config().min_slots == 4
+
+
+def test_the_rollout_holds_the_engine_settings():
+    cfg = load_config(Schema, None, ["rollout.engine.max_slots=8",
+                                     "rollout.engine.batching=static"])
+    assert cfg.rollout.engine == EngineConfig(max_slots=8, batching="static")
+    with pytest.raises(ConfigError, match="rollout.engine.min_slots=4 shrinks continuous"):
+        load_config(Schema, None, ["rollout.engine.min_slots=4",
+                                   "rollout.engine.batching=static"])
+    cfg = load_config(Schema, None, ["rollout.engine.max_slots=64", "rollout.engine.min_slots=4",
+                                     "rollout.sampling.top_p=0.9"])
+    assert cfg.rollout.engine.min_slots == 4
+    assert cfg.rollout.sampling == SamplingParams(1.0, None, 0.9)
     # The default halves the tail by itself; static batching takes it (it never halves).
-    assert load_config(Schema, None, []).rollout.engine_config().min_slots == "auto"
-    load_config(Schema, None, ["rollout.batching=static"])
+    assert load_config(Schema, None, []).rollout.engine.min_slots == "auto"
+    load_config(Schema, None, ["rollout.engine.batching=static"])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_moved_key_is_refused_naming_the_new_one(tmp_path, old):
+    from jaxrl.config import ExperimentConfig
+
+    message = f"config key {old} is now {MOVED_KEYS[old]}"
+    with pytest.raises(ConfigError, match=message):
+        load_config(ExperimentConfig, None, [f"{old}=1"])
+    section, _, name = old.partition(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {name}: 1\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(ExperimentConfig, path)
+
+
+def test_a_saved_config_of_an_earlier_version_has_its_moved_keys_moved(tmp_path):
+    from jaxrl.config import ExperimentConfig
+
+    assert MOVED_KEYS["rollout.temperature"] == "rollout.sampling.temperature"
+    assert MOVED_KEYS["rollout.kv_pages"] == "rollout.engine.row_pages"
+    old = tmp_path / "config.yaml"
+    old.write_text("rollout:\n  num_generations: 2\n  temperature: 0.5\n  kv_pages: 12\n"
+                   "  max_slots: 4\n"
+                   "eval:\n  top_k: 3\n")
+    cfg = load_config(ExperimentConfig, old, saved=True)
+    assert cfg.rollout.sampling == SamplingParams(0.5)
+    assert (cfg.rollout.engine.row_pages, cfg.rollout.engine.max_slots) == (12, 4)
+    assert cfg.eval.sampling == SamplingParams(0.0, 3)

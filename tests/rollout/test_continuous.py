@@ -335,7 +335,7 @@ def test_auto_min_slots_halves_only_a_long_tail_of_continuous_batching():
     assert tail_min_slots(EngineConfig(batching="static"), 64, 256) is None
     assert tail_min_slots(EngineConfig(min_slots=8), 64, 4) == 8
     assert tail_min_slots(EngineConfig(min_slots=None), 64, 256) is None
-    with pytest.raises(ValueError, match="min_slots must be >= 2, 'auto' or None, got 'some'"):
+    with pytest.raises(ValueError, match="min_slots must be >= 2, 'auto' or null, got 'some'"):
         EngineConfig(min_slots="some")
 
 

@@ -184,8 +184,8 @@ def test_serve_section_defaults_and_checks():
     assert load_config(ExperimentConfig, QUICKSTART,
                        ["serve.max_prefill_length=16"]).serve.prefill_buckets() == (16,)
     # Greedy serving of a config that trains at temperature 1 (which training requires > 0).
-    greedy = load_config(ExperimentConfig, QUICKSTART, ["serve.temperature=0"])
-    assert greedy.serve.sampling_params().greedy and greedy.rollout.temperature > 0
+    greedy = load_config(ExperimentConfig, QUICKSTART, ["serve.sampling.temperature=0"])
+    assert greedy.serve.sampling.greedy and greedy.rollout.sampling.temperature > 0
 
 
 @pytest.mark.parametrize("override, words", [
@@ -193,7 +193,7 @@ def test_serve_section_defaults_and_checks():
     ("serve.max_slots=0", ["serve.max_slots", ">= 1"]),
     ("serve.memory_fraction=1.5", ["serve.memory_fraction", "(0, 1]"]),
     ("serve.max_new_tokens=0", ["serve.max_new_tokens", ">= 1"]),
-    ("serve.temperature=-1", ["serve.temperature", "-1"]),
+    ("serve.sampling.temperature=-1", ["serve.sampling.temperature", "-1"]),
 ])
 def test_bad_serve_settings_name_the_key(override, words):
     from jaxrl.config import ConfigError

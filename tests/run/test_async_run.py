@@ -144,8 +144,8 @@ def test_inflight_updates_need_async_with_staleness_two_or_more(overrides):
     with pytest.raises(ConfigError, match="rollout.inflight_updates=true needs "
                                           "algo.mode=async with algo.max_staleness >= 2"):
         load_config(ExperimentConfig, QUICKSTART, overrides)
-    with pytest.raises(ConfigError, match="rollout.min_slots=4; expected null"):
-        load_config(ExperimentConfig, QUICKSTART, [*INFLIGHT, "rollout.min_slots=4"])
+    with pytest.raises(ConfigError, match="rollout.engine.min_slots=4; expected null"):
+        load_config(ExperimentConfig, QUICKSTART, [*INFLIGHT, "rollout.engine.min_slots=4"])
 
 
 @pytest.mark.parametrize(("value", "shown"), [("1.5", "1.5"), ("-1", "-1"), ("0", "0")])

@@ -16,17 +16,18 @@ from rich.console import Console
 
 from jaxrl.config import ConfigError, EvalSection, ExperimentConfig, load_config
 from jaxrl.rl import JaxReward
+from jaxrl.rollout.settings import SamplingParams
 from jaxrl.run.build import build_run, policy
 from jaxrl.run.evaluate import Evaluator, append_eval, pass_at_k
 from jaxrl.saved.files import EVAL_FILE
-from jaxrl.step.builder import prompt_success
+from jaxrl.step.learner import prompt_success
 from tests.test_shipped_configs import ROOT
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 TINY = ["sharding.layout=fsdp", "data.batch_size=8", "data.num_prompts=64",
         "rollout.num_generations=4", "algo.num_minibatches=2", "perf.count_flops=false",
         "log.plot=false", "log.tensorboard=false", "eval.num_prompts=20", "eval.batch_size=8"]
-SAMPLED = dict(num_samples=4, temperature=1.0, k=[1, 2, 4])
+SAMPLED = dict(num_samples=4, sampling=SamplingParams(1.0), k=[1, 2, 4])
 
 
 def brute_force_pass_at_k(n, c, k):
@@ -57,18 +58,15 @@ def test_pass_at_k_is_stable_for_large_n_and_checks_its_arguments():
 
 
 @pytest.mark.parametrize("values, words", [
-    (dict(num_samples=4), ["eval.num_samples=4", "eval.temperature > 0", "identical"]),
+    (dict(num_samples=4), ["eval.num_samples=4", "eval.sampling.temperature > 0", "identical"]),
     (dict(k=[2]), ["eval.k", "[1, eval.num_samples=1]", "[2]"]),
-    (dict(num_samples=4, temperature=1.0, k=[1, 8]), ["eval.k", "num_samples=4", "[1, 8]"]),
+    (dict(num_samples=4, sampling=SamplingParams(1.0), k=[1, 8]), ["eval.k", "num_samples=4", "[1, 8]"]),
     (dict(k=[]), ["eval.k", "non-empty"]),
-    (dict(num_samples=2, temperature=1.0, k=[1, 1]), ["eval.k", "distinct"]),
+    (dict(num_samples=2, sampling=SamplingParams(1.0), k=[1, 1]), ["eval.k", "distinct"]),
     (dict(num_prompts=-1), ["eval.num_prompts", ">= 0", "-1"]),
     (dict(batch_size=0), ["eval.batch_size", ">= 1", "0"]),
     (dict(num_samples=0), ["eval.num_samples", ">= 1"]),
     (dict(every=-5), ["eval.every", "-5"]),
-    (dict(temperature=-1.0), ["eval.temperature", ">= 0", "-1.0"]),
-    (dict(temperature=1.0, top_p=1.5), ["eval.top_p", "1.5"]),
-    (dict(temperature=1.0, top_k=0), ["eval.top_k", "0"]),
 ])
 def test_bad_eval_values_name_the_key(values, words):
     with pytest.raises(ValueError) as info:
@@ -77,13 +75,27 @@ def test_bad_eval_values_name_the_key(values, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.parametrize("override, words", [
+    ("eval.sampling.temperature=-1.0", ["eval.sampling.temperature", ">= 0", "-1.0"]),
+    ("eval.sampling.top_p=1.5", ["eval.sampling.top_p", "1.5"]),
+    ("eval.sampling.top_k=0", ["eval.sampling.top_k", "0"]),
+])
+def test_bad_eval_sampling_names_the_key(override, words):
+    """eval.sampling is the sampler's SamplingParams: the loader names the key it sits at."""
+    with pytest.raises(ConfigError) as info:
+        load_config(ExperimentConfig, QUICKSTART, [override])
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
 def test_eval_section_loads_from_overrides_and_errors_name_the_key():
     cfg = load_config(ExperimentConfig, QUICKSTART,
-                      ["eval.num_samples=8", "eval.temperature=0.7", "eval.k=[1,4,8]",
+                      ["eval.num_samples=8", "eval.sampling.temperature=0.7", "eval.k=[1,4,8]",
                        "eval.every=100"])
-    assert cfg.eval == EvalSection(num_samples=8, temperature=0.7, k=[1, 4, 8], every=100)
+    assert cfg.eval == EvalSection(num_samples=8, sampling=SamplingParams(0.7), k=[1, 4, 8],
+                                   every=100)
     assert EvalSection() == EvalSection(num_prompts=1000, batch_size=250, num_samples=1,
-                                        temperature=0.0, k=[1], every=0, seed=0)
+                                        sampling=SamplingParams(0.0), k=[1], every=0, seed=0)
     with pytest.raises(ConfigError, match=r"eval\.k"):
         load_config(ExperimentConfig, QUICKSTART, ["eval.k=[2]"])
     with pytest.raises(ConfigError, match="eval_prompts"):  # moved to eval.num_prompts

@@ -52,10 +52,10 @@ def test_the_kv_pool_shrinks_to_what_fits(tmp_path):
 
 
 def test_a_set_kv_pages_is_not_resized(tmp_path):
-    """rollout.kv_pages is the user's: too big is an error naming the step's numbers."""
+    """rollout.engine.row_pages is the user's: too big is an error naming the step's numbers."""
     with pytest.raises(MemoryFitError, match="per device, more than the"):
         _start(tmp_path, f"perf.memory_limit_gib={LIMIT_GIB}", _unsplit_layout(tmp_path),
-               f"rollout.kv_pages={256 * worst_row_pages(6, 128, 16)}")
+               f"rollout.engine.row_pages={256 * worst_row_pages(6, 128, 16)}")
 
 
 def test_rows_split_over_the_devices_fit_with_every_slots_worst_case(tmp_path):

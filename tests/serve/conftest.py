@@ -46,7 +46,7 @@ def generate_greedy(model_dir, prompts, max_new_tokens, layout="fsdp_tp"):
     from jaxrl.config import load_config
 
     cfg = load_config(GenerateConfig, None, [
-        f"model.path={model_dir}", "rollout.temperature=0", f"sharding.layout={layout}",
+        f"model.path={model_dir}", "rollout.sampling.temperature=0", f"sharding.layout={layout}",
         f"rollout.max_new_tokens={max_new_tokens}"])
     # Prompts set here, not as an override: some hold characters the override syntax reads.
     cfg = dataclasses.replace(cfg, generate=dataclasses.replace(cfg.generate,

@@ -47,7 +47,7 @@ def test_sigterm_drains_requests_in_flight_and_exits_0(trained_run):
     port = _free_port()
     process, lines, ready = _start([
         f"train.run_dir={trained_run}", "--step", "1", f"serve.port={port}",
-        "serve.host=localhost", "serve.max_slots=4", "serve.temperature=0",
+        "serve.host=localhost", "serve.max_slots=4", "serve.sampling.temperature=0",
         "sharding.layout=dp_fsdp_tp",
         "rollout.ignore_eos=true", f"serve.max_new_tokens={MAX_TOKENS}",
         "serve.max_prefill_length=32"])

@@ -108,7 +108,7 @@ def test_the_slots_that_fit_are_what_fits_on_one_device_times_the_devices(model_
         model.config, memory_bytes=int(0.001 * 2**30),
         weight_bytes=sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))),
         max_prefill_length=16, max_new_tokens=cfg.serve.max_new_tokens,
-        page_size=cfg.rollout.page_size, fraction=cfg.serve.memory_fraction)
+        page_size=cfg.rollout.engine.page_size, fraction=cfg.serve.memory_fraction)
     assert 1 < one < 64  # the memory limit, not the cap, decides
     assert slots("sharding.layout=fsdp") == 8 * one
     assert slots("sharding.layout=fsdp", f"serve.max_slots={8 * one}") == 8 * one
