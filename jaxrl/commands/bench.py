@@ -226,8 +226,9 @@ def _decode_bound(run: Run, pre: Preflight) -> float | None:
     decode = next(p for p in pre.accounting.hardware.generate if p.per_decode_step).cost
     if decode.bytes_accessed is None:
         return None
-    # Bytes of the whole decode step (counted on one host device), read by all devices.
-    return run.rows / (decode.bytes_accessed / (pre.num_devices * bandwidth))
+    # Bytes of the whole decode program (counted on one host device), read by all devices;
+    # it draws one token for each of its rows (the engine's slots, or the dense B).
+    return pre.accounting.rows / (decode.bytes_accessed / (pre.num_devices * bandwidth))
 
 
 def _decode_roofline_frac(run: Run, pre: Preflight, decode_tokens_per_s: float | None,

@@ -68,7 +68,8 @@ class PagedKV(NamedTuple):
     `kv_pages` [layers, pages, page_size, 2*kv_heads, head_dim] (keys and values interleaved
     on the head axis); slot s writes its new token at (`write_page_S[s]`, `write_offset_S[s]`)
     (a page out of range writes nothing) and attends over its first `length_S[s]` tokens,
-    found through `page_table_SxM`. `layer` is filled in per layer.
+    found through `page_table_SxM`. `layer` is filled in per layer; `unroll`: the XLA
+    path's block loop unrolled over every block (FLOP accounting; the same outputs).
     """
 
     kv_pages: jax.Array
@@ -79,6 +80,7 @@ class PagedKV(NamedTuple):
     impl: str = "xla"
     pages_per_block: int = 8
     layer: jax.Array | int = 0
+    unroll: bool = False
 
 
 class Attention(nnx.Module):
@@ -253,7 +255,7 @@ class Attention(nnx.Module):
                 q_Sx1xKxGxH.reshape(s, k * g, h), kv_pages, paged.layer, paged.page_table_SxM,
                 paged.length_S, scale=self.config.head_dim ** -0.5,
                 sliding_window=self.config.sliding_window,
-                pages_per_block=paged.pages_per_block, impl=paged.impl)
+                pages_per_block=paged.pages_per_block, impl=paged.impl, unroll=paged.unroll)
         out_Sx1xKxGxH = out_SxNxH.reshape(s, 1, k, g, h).astype(self.config.compute_dtype)
         return self._output(out_Sx1xKxGxH), kv_pages
 

@@ -20,7 +20,10 @@ holds a slot that needs that block: a step gathers sum_i ceil(live_i / C) C bloc
 slots reaching block i), not S x the longest slot's blocks (free slots cost 2-10x the live
 KV that way). Within a chunk, scores past a slot's length are -inf; a fully masked block
 changes nothing (exp(-inf) = 0, the correction exp(m - m) = 1), so a slot's output is the
-same bits whatever the other slots' lengths and C. A slot of length 0 gets zeros.
+same bits whatever the other slots' lengths and C. A slot of length 0 gets zeros. `unroll`
+runs every block for every chunk in a Python loop instead (the same outputs): the program's
+work as if every slot reached the table's last page, loop-free, for XLA's cost analysis
+(which counts a while body once; `jaxrl.step.rollout_programs`).
 `pallas` calls the TPU kernel (TPU only).
 """
 
@@ -57,9 +60,11 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
                             layer: jax.Array, page_table_SxM: jax.Array, length_S: jax.Array,
                             *, scale: float, sliding_window: int | None = None,
                             pages_per_block: int = 8, impl: AttentionImpl = "xla",
-                            slots_per_chunk: int | None = None) -> jax.Array:
+                            slots_per_chunk: int | None = None, unroll: bool = False
+                            ) -> jax.Array:
     """out_SxNxH: each slot's query over its first length_S[s] cached tokens (see above);
-    `slots_per_chunk`: C of the XLA path (None: `chunk_slots(S)`)."""
+    `slots_per_chunk`: C of the XLA path (None: `chunk_slots(S)`); `unroll`: every block
+    of every chunk, loop-free (see above)."""
     if impl == "pallas":
         return _pallas(q_SxNxH, kv_pages_LxPxTx2KxH[layer], page_table_SxM, length_S,
                        scale=scale, sliding_window=sliding_window,
@@ -127,6 +132,12 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
             jnp.zeros((k, s, g), jnp.float32), jnp.zeros((k, s, g, h), jnp.float32))
     if num_blocks_total == 1 and c == s:  # one chunk, one block: no loop (a per-layer cost)
         _, _, _, l_KxSxG, acc_KxSxGxH = body(init)
+    elif unroll:
+        state = init
+        for i in range(num_blocks_total):
+            for r in range(0, s, c):
+                state = body((jnp.int32(i), jnp.int32(r), *state[2:]))
+        _, _, _, l_KxSxG, acc_KxSxGxH = state
     else:
         _, _, _, l_KxSxG, acc_KxSxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks,
                                                            body, init)

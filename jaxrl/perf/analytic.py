@@ -16,7 +16,9 @@ what the programs compute, padding included: training attends over the whole row
 T = P + C tokens (a masked square), or, with the prompt shared by a group, each prompt once
 (a P x P square) and each row's C tokens over P + C keys, and projects only the C completion
 positions onto the vocabulary; prefill writes P prompt tokens into a cache of S = P + C - 1
-slots and attends over all of them; a decode step attends one token over the whole cache. Norms, RoPE,
+slots and attends over all of them; a decode step attends one token over the whole cache
+(the engine: its prefill attends over the prompt's own width, and its decode iteration each
+slot over its whole page table). Norms, RoPE,
 softmax, SwiGLU gates and the optimizer update are elementwise and not counted here, which
 is why XLA's count is a few percent higher on small models.
 """
@@ -54,6 +56,20 @@ def decode_step_flops(config: ModelConfig, rows: int, prompt_len: int,
                       max_new_tokens: int) -> float:
     """One decode step: one token per row over the whole cache of P + C - 1 slots."""
     return forward_flops(config, rows, 1, prompt_len + max_new_tokens - 1, 1)
+
+
+def engine_prefill_flops(config: ModelConfig, prompts: int, prompt_len: int) -> float:
+    """The engine's prefill: `prompts` rows of `prompt_len` tokens into a cache of just
+    their own width (last position projected)."""
+    return forward_flops(config, prompts, prompt_len, prompt_len, 1)
+
+
+def paged_decode_flops(config: ModelConfig, slots: int, keys: int, attended: int) -> float:
+    """One decode iteration of the engine: one token per slot through the layers and the
+    vocabulary, and the attention of `attended` slots (the slots, in whole chunks) over
+    `keys` keys each (every block of the page table: pages x page size, in whole blocks)."""
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * keys * attended
+    return forward_flops(config, slots, 1, 0, 1) + float(attention)
 
 
 def logprob_flops(config: ModelConfig, rows: int, prompt_len: int, completion_len: int,

@@ -35,7 +35,7 @@ from jaxrl.models import Transformer
 from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import slots
 from jaxrl.rollout.pages import PoolLayout, own_pages
-from jaxrl.rollout.settings import Batching, EngineConfig, SamplingParams
+from jaxrl.rollout.settings import Attention, Batching, EngineConfig, SamplingParams
 from jaxrl.rollout.slot_count import max_concurrent_decodes, slot_tiers, tail_min_slots
 from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
 from jaxrl.sharding import constrain, use_rules
@@ -176,6 +176,21 @@ def _write(out: Outputs, drawn: slots.Drawn) -> Outputs:
                    out.logp_raw_BxC.at[row_S, col_S].set(drawn.logp_raw_S, mode="drop"))
 
 
+def iteration(model: Transformer, plan_: Plan, p: InProgress, row_keys_B: jax.Array,
+              attention: Attention | None = None) -> InProgress:
+    """One decode iteration (the body of `advance`'s loop): the next queued rows into the
+    free slots, then one token for every live slot, written into the rows' outputs.
+    `attention`: how the slots read the pool (default the plan's; FLOP accounting unrolls
+    it, `jaxrl.step.rollout_programs`)."""
+    # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
+    p = jax.lax.cond((p.next_ < p.num_queued) & ~jnp.all(p.state.live_S),
+                     lambda p: _insert(p, plan_, row_keys_B), lambda p: p, p)
+    state, drawn = slots.generate(model, p.state, plan_.layout, attention or plan_.config.read,
+                                  plan_.stops, plan_.sampling)
+    return p.replace(state=state, out=_write(p.out, drawn), steps=p.steps + 1,
+                     slot_steps=p.slot_steps + state.row_S.shape[0])
+
+
 def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: jax.Array,
             stop_at: jax.Array | None = None, below: int = 0) -> InProgress:
     """Decode iterations until every row has finished (with `below`: until no row waits and
@@ -184,15 +199,8 @@ def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: j
     num_queued = progress.num_queued
 
     def body(p: InProgress) -> InProgress:
-        # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
-        p = jax.lax.cond((p.next_ < num_queued) & ~jnp.all(p.state.live_S),
-                         lambda p: _insert(p, plan_, row_keys_B), lambda p: p, p)
         # NNX transforms reject Variables made at another trace level: a fresh copy here.
-        state, drawn = slots.generate(nnx.merge(graphdef, weights, copy=True), p.state,
-                                      plan_.layout, plan_.config.read, plan_.stops,
-                                      plan_.sampling)
-        return p.replace(state=state, out=_write(p.out, drawn), steps=p.steps + 1,
-                         slot_steps=p.slot_steps + state.row_S.shape[0])
+        return iteration(nnx.merge(graphdef, weights, copy=True), plan_, p, row_keys_B)
 
     def cond(p: InProgress) -> jax.Array:
         work = (p.next_ < num_queued) | (jnp.sum(p.state.live_S) > below)

@@ -34,10 +34,13 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """How `generate` reads the pool: `xla` (gathers blocks of pages) or `pallas` (TPU)."""
+    """How `generate` reads the pool: `xla` (gathers blocks of pages) or `pallas` (TPU);
+    `unroll`: the XLA path's loop over blocks unrolled over every block, the same outputs
+    (what FLOP accounting compiles: XLA's cost analysis counts a while body once)."""
 
     impl: Literal["xla", "pallas"] = "xla"
     pages_per_block: int = 8
+    unroll: bool = False
 
 
 Batching = Literal["continuous", "static"]

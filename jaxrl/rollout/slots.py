@@ -324,7 +324,7 @@ def generate(model: Transformer, state: SlotState, layout: PoolLayout, attention
     page_S = jnp.take_along_axis(state.page_table_SxM, column_S[:, None], axis=1)[:, 0]
     paged = PagedKV(state.kv_pages, state.page_table_SxM, jnp.where(live_S, pos_S + 1, 0),
                     jnp.where(live_S, page_S, -1), pos_S % t, impl=attention.impl,
-                    pages_per_block=attention.pages_per_block)
+                    pages_per_block=attention.pages_per_block, unroll=attention.unroll)
     logits_SxV, kv_pages = model.decode_paged(state.token_S, pos_S, paged)
     index_S = pos_S + 1 - state.base_S
     token_S, logp_S, logp_raw_S = _draw(state, logits_SxV, index_S, sampling)

@@ -1,8 +1,8 @@
 """FLOP accounting of the RL step: each phase compiled as a loop-free program, counted by XLA.
 
-    prefill       sampler.prefill of the P prompts                       x 1
-    decode        sampler.decode_step + sample_rows of the B = P·G rows  x decode steps run:
-                  rollout/decode_slot_steps / B (the engine's slots can be fewer than B)
+    prefill       the sampler's prefill of the P prompts                 x 1
+    decode        one decode iteration of the sampler's R rows           x decode steps run:
+                  (the engine: its S slots; the dense sampler: B = P·G)    rollout/decode_slot_steps / R
     logprobs      completion_log_probs of one microbatch (old / ref)     x microbatches x (old + KL)
     grad          value_and_grad(microbatch_loss) of one microbatch      x iterations x minibatches
                                                                             x microbatches
@@ -11,10 +11,13 @@
                   algo.advantage gae: V_old before the updates)
     (with a critic, grad differentiates policy + critic and update applies both optimizers)
 
-These are the functions the step program runs (`jaxrl.rollout.sampler`, `jaxrl.step.phases`),
-compiled on abstract inputs of the step's global shapes with the layers unrolled and the
-vocabulary-chunk loop unrolled, so XLA's cost analysis sees every FLOP once
-(`jaxrl.perf.flops` explains why loops must go). Two variants:
+These are the functions the step program runs: the rollout's are the engine's own `begin`
+and loop `iteration` when the sampler has an engine (every run by default), the dense
+sampler's otherwise (`jaxrl.step.rollout_programs` says which and with what shapes); the
+train phases' are `jaxrl.step.phases`. They are compiled on abstract inputs of the step's
+global shapes with the layers unrolled and the vocabulary-chunk and paged-attention loops
+unrolled, so XLA's cost analysis sees every FLOP once (`jaxrl.perf.flops` explains why loops
+must go). Two variants:
 
     model      remat off, whole-vocabulary log-probs: the work the step needs  -> perf/model_flops
     hardware   remat and log-prob chunking as configured (recomputation included)
@@ -29,10 +32,10 @@ are identical, so a model of L > 2 layers is counted from compiles of 1 and 2 la
 exactly: f(L) = f(1) + (L - 1) (f(2) - f(1)); compile time does not grow with depth. When
 the two variants would be the same program (no remat, no chunking) it is compiled once.
 
-Not counted: the reward, advantage and masking arithmetic (O(B·C) elementwise), and the
-sampling of the first token after prefill. The analytic count (`jaxrl.perf.analytic`) is
-computed beside both as a cross-check. (old: 0 when the step makes a single update, whose
-own forward gives the old log-probs; 1 otherwise.)
+Not counted: the reward, advantage and masking arithmetic (O(B·C) elementwise), and, for the
+dense sampler, the sampling of the first token after prefill. The analytic count
+(`jaxrl.perf.analytic`) is computed beside both as a cross-check. (old: 0 when the step
+makes a single update, whose own forward gives the old log-probs; 1 otherwise.)
 """
 
 from __future__ import annotations
@@ -45,18 +48,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from jaxrl.config import AlgoSection
 from jaxrl.config.algo import resolve_logprob_chunk
-from jaxrl.models import KVCache, ModelConfig, Transformer
+from jaxrl.models import ModelConfig, Transformer
 from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
-from jaxrl.rollout.sampler import decode_step, prefill
-from jaxrl.rollout.sampling import sample_rows
 from jaxrl.rollout.types import SamplerConfig
 from jaxrl.step.forward import completion_log_probs, completion_values, prompt_group
 from jaxrl.step.phases import microbatch_loss
+from jaxrl.step.rollout_programs import (
+    StepShapes,
+    analytic_generate,
+    decode_rows,
+    host_abstract,
+    lower_generate,
+    lower_on_host,
+)
 from jaxrl.step.state import TrainState
 from jaxrl.step.value_model import Critic
 
@@ -64,32 +72,20 @@ PER_LAYER = ("prefill", "decode", "logprobs", "grad", "values")  # programs that
 
 
 @dataclasses.dataclass(frozen=True)
-class StepShapes:
-    """The static shapes of one RL step."""
-
-    prompts: int  # P
-    prompt_len: int  # padded prompt length
-    generations: int  # G
-    max_new_tokens: int  # C
-
-    @property
-    def rows(self) -> int:
-        return self.prompts * self.generations
-
-
-@dataclasses.dataclass(frozen=True)
 class StepAccounting:
-    """Model, hardware (XLA) and analytic FLOPs of a step; `decode_steps` counts B-row
-    decode steps: `decode_steps(rollout/decode_slot_steps)` of that step."""
+    """Model, hardware (XLA) and analytic FLOPs of a step; `decode_steps` counts runs of
+    the decode program: `decode_steps(rollout/decode_slot_steps)` of that step."""
 
     model: StepFlops
     hardware: StepFlops
     analytic: StepFlops
-    rows: int  # B, the rows of the decode program counted
+    rows: int  # R, the rows of the decode program counted: the engine's slots, or B
 
     def decode_steps(self, slot_steps: float) -> float:
-        """B-row decode steps of a loop that ran `slot_steps` one-row forward passes (the
-        dense sampler: B x (num_steps - 1); the engine: its slots summed over iterations)."""
+        """R-row decode programs of a loop that ran `slot_steps` one-row forward passes (the
+        dense sampler: B x (num_steps - 1) over B rows; the engine: its slots summed over its
+        iterations, over its S slots: the iterations, a tail tier of fewer slots counting
+        as its share of S)."""
         return slot_steps / self.rows
 
     def metrics(self, decode_steps: float, step_metrics: dict[str, Any] | None = None,
@@ -155,8 +151,9 @@ def account_step(algo: AlgoSection, model_config: ModelConfig, sampler: SamplerC
     model = count("model")
     hardware = count("hardware") if "hardware" in kinds else model
     critic = algo.critic.kind if algo.advantage == "gae" else None
-    return StepAccounting(model, hardware, _analytic(model_config, shapes, trips, critic),
-                          shapes.rows)
+    return StepAccounting(model, hardware,
+                          _analytic(model_config, sampler, shapes, trips, critic),
+                          decode_rows(model_config, sampler, shapes))
 
 
 def _trips(algo: AlgoSection, shapes: StepShapes, model_config: ModelConfig,
@@ -173,8 +170,8 @@ def _trips(algo: AlgoSection, shapes: StepShapes, model_config: ModelConfig,
             "values": slices if algo.advantage == "gae" else 0}
 
 
-def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int],
-              critic: str | None = None) -> StepFlops:
+def _analytic(config: ModelConfig, sampler: SamplerConfig, shapes: StepShapes,
+              trips: dict[str, int], critic: str | None = None) -> StepFlops:
     """The analytic counts; `critic` (algo.critic.kind when algo.advantage is gae) adds the
     values forward (a trunk whose "vocabulary" is the value head's one column) and, for a
     separate critic, its trunk's share of every gradient (a value head's own: the head)."""
@@ -191,32 +188,16 @@ def _analytic(config: ModelConfig, shapes: StepShapes, trips: dict[str, int],
         head = 2.0 * config.hidden_size * b * c
         grad += 3 * (trunk if critic == "separate" else head)
         values = (phase("values", trunk, trips["values"]),)
+    prefill, decode = analytic_generate(config, sampler, shapes)
     return StepFlops(
-        generate=(phase("prefill", analytic.prefill_flops(config, shapes.prompts, p, c), 1),
-                  phase("decode", analytic.decode_step_flops(config, shapes.rows, p, c), 0,
-                        per_decode_step=True)),
+        generate=(phase("prefill", prefill, 1), phase("decode", decode, 0, per_decode_step=True)),
         train=(phase("logprobs", analytic.logprob_flops(config, b, p, c, g), trips["logprobs"]),
                phase("grad", grad, trips["grad"])) + values)
 
 
-def _host() -> SingleDeviceSharding:
-    """Where the accounting programs are compiled (never run): the first CPU device."""
-    return SingleDeviceSharding(jax.devices("cpu")[0])
-
-
-def _abstract(shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=_host())
-
-
-def _lower(fn, *args, donate: tuple[int, ...] = ()) -> jax.stages.Lowered:
-    """`fn(*args)` lowered for the host CPU; `donate`: arguments the step updates in place
-    (the KV cache, the train state), so XLA's bytes accessed count no copy of them."""
-    return jax.jit(fn, donate_argnums=donate).lower(*args)
-
-
 def _lower_update(ts_graphdef: nnx.GraphDef, ts_state: nnx.State) -> jax.stages.Lowered:
     """One optimizer update of the run's train state."""
-    state = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), ts_state)
+    state = jax.tree.map(lambda x: host_abstract(x.shape, x.dtype), ts_state)
     ts: TrainState = nnx.merge(ts_graphdef, state)
     grads = jax.tree.map(lambda m: nnx.state(m, nnx.Param), ts.trainable(),
                          is_leaf=lambda x: isinstance(x, nnx.Module))
@@ -226,7 +207,7 @@ def _lower_update(ts_graphdef: nnx.GraphDef, ts_state: nnx.State) -> jax.stages.
         ts.apply_gradients(grads)
         return nnx.state(ts)
 
-    return _lower(fn, state, grads, donate=(0,))
+    return lower_on_host(fn, state, grads, donate=(0,))
 
 
 class _Phases:
@@ -246,56 +227,28 @@ class _Phases:
                                      moe_dispatch="gather")
         self.graphdef, params = nnx.split(
             nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-        self.params = jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params)
+        self.params = jax.tree.map(lambda x: host_abstract(x.shape, x.dtype), params)
         self.config = config
         self.critic = None  # (graphdef, abstract params) of PPO's critic, with gae
         if algo.advantage == "gae":
             separate = algo.critic.kind == "separate"
             graphdef, params = nnx.split(nnx.eval_shape(lambda: Critic(
                 config.hidden_size, Transformer(config, rngs=nnx.Rngs(0)) if separate else None)))
-            self.critic = (graphdef, jax.tree.map(lambda x: _abstract(x.shape, x.dtype), params))
+            self.critic = (graphdef, jax.tree.map(lambda x: host_abstract(x.shape, x.dtype), params))
 
     def lower(self) -> dict[str, jax.stages.Lowered]:
         """The phase programs, traced and lowered (not yet compiled)."""
-        programs = {"prefill": self._prefill(), "decode": self._decode(),
+        programs = {**lower_generate(self.graphdef, self.params, self.config, self.sampler,
+                                       self.shapes),
                     "logprobs": self._logprobs(), "grad": self._grad()}
         if self.critic is not None:
             programs["values"] = self._values()
         return programs
 
     def _rows(self, rows, *tail, dtype=jnp.int32):
-        return _abstract((rows, *tail), dtype)
+        return host_abstract((rows, *tail), dtype)
 
     # ------------------------------------------------------------------ the programs
-
-    def _prefill(self) -> jax.stages.Lowered:
-        s = self.shapes
-
-        def fn(params, ids_BxP, mask_BxP):
-            return prefill(nnx.merge(self.graphdef, params), ids_BxP, mask_BxP,
-                           s.max_new_tokens)
-
-        return _lower(fn, self.params, self._rows(s.prompts, s.prompt_len),
-                      self._rows(s.prompts, s.prompt_len, dtype=jnp.bool_))
-
-    def _decode(self) -> jax.stages.Lowered:
-        s, cfg = self.shapes, self.config
-        slots = s.prompt_len + s.max_new_tokens - 1
-        kv_shape = (cfg.num_layers, s.rows, slots, cfg.num_kv_heads, cfg.head_dim)
-        kv = _abstract(kv_shape, cfg.compute_dtype)
-        cache = KVCache(kv, kv, self._rows(s.rows, slots, dtype=jnp.bool_),
-                        _abstract((), jnp.int32))
-
-        def fn(params, token_B, position_B, cache, key_data_Bx2, t):
-            logits_BxV, cache = decode_step(nnx.merge(self.graphdef, params), token_B,
-                                            position_B, cache)
-            keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
-                jax.random.wrap_key_data(key_data_Bx2), t)
-            return sample_rows(keys_B, logits_BxV, self.sampler.sampling), cache
-
-        return _lower(fn, self.params, self._rows(s.rows), self._rows(s.rows), cache,
-                      self._rows(s.rows, 2, dtype=jnp.uint32), _abstract((), jnp.int32),
-                      donate=(3,))
 
     def _microbatch(self) -> dict[str, Any]:
         s, b = self.shapes, self.trips["micro_rows"]
@@ -324,11 +277,11 @@ class _Phases:
                                         algo.logprob_chunk_size, unroll=True,
                                         prompt_group=self.trips["prompt_group"])[0]
 
-        return _lower(fn, self.params, self._microbatch())
+        return lower_on_host(fn, self.params, self._microbatch())
 
     def _grad(self) -> jax.stages.Lowered:
         algo = self.algo
-        count = _abstract((), jnp.int32)
+        count = host_abstract((), jnp.int32)
 
         def fn(params, critic_params, mb, num_tokens, num_seqs):
             def loss(trainable):
@@ -343,7 +296,7 @@ class _Phases:
             return nnx.value_and_grad(loss, has_aux=True)(model)
 
         critic_params = None if self.critic is None else self.critic[1]
-        return _lower(fn, self.params, critic_params, self._microbatch(), count, count)
+        return lower_on_host(fn, self.params, critic_params, self._microbatch(), count, count)
 
     def _values(self) -> jax.stages.Lowered:
         def fn(params, critic_params, mb):
@@ -351,4 +304,4 @@ class _Phases:
                                      nnx.merge(self.graphdef, params),
                                      self.trips["prompt_group"])
 
-        return _lower(fn, self.params, self.critic[1], self._microbatch())
+        return lower_on_host(fn, self.params, self.critic[1], self._microbatch())

@@ -36,6 +36,16 @@ def test_phases_use_the_shapes_the_programs_compute():
         3 * analytic.logprob_flops(CONFIG, 5, p, c))
 
 
+def test_the_engines_phases_use_the_shapes_its_programs_compute():
+    # Prefill into a cache of the prompt's own width; a decode iteration of 3 slots, its
+    # attention for 8 slots (whole chunks) over 12 keys.
+    assert analytic.engine_prefill_flops(CONFIG, 3, 6) == analytic.forward_flops(
+        CONFIG, 3, 6, 6, 1)
+    attention = 4 * 3 * 2 * 4 * 12 * 8
+    assert analytic.paged_decode_flops(CONFIG, 3, 12, 8) == analytic.forward_flops(
+        CONFIG, 3, 1, 0, 1) + attention
+
+
 def test_a_mixture_of_experts_counts_the_routed_experts_and_the_router():
     moe = ModelConfig(model_type="qwen3_moe", vocab_size=10, hidden_size=8, intermediate_size=16,
                       num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True,

@@ -298,8 +298,8 @@ def test_ragged_attention_matches_dense_attention_and_the_kernel_reference():
 
 def test_a_slots_attention_is_the_same_bits_whatever_the_chunks_and_the_other_slots():
     """The XLA path gathers a block only for the chunks of slots that reach it: any chunk
-    size, and any lengths of the other slots (free ones too), give a slot the same bits as
-    one chunk of all the slots; a free slot gets zeros."""
+    size, any lengths of the other slots (free ones too), and the loop unrolled over every
+    block give a slot the same bits as one chunk of all the slots; a free slot gets zeros."""
     from jaxrl.models.paged_attention import chunk_slots, ragged_decode_attention
 
     rng = np.random.default_rng(1)
@@ -309,14 +309,17 @@ def test_a_slots_attention_is_the_same_bits_whatever_the_chunks_and_the_other_sl
     table_SxM = jnp.asarray(rng.permutation(pages)[:slots * width].reshape(slots, width))
     length_S = jnp.asarray([0, 24, 3, 0, 9, 17, 1, 0, 12, 5, 24, 8], jnp.int32)
 
-    def attend(length_S, chunk):
+    def attend(length_S, chunk, unroll=False):
         return np.asarray(jax.jit(lambda lengths: ragged_decode_attention(
             q_SxNxH, kv, 1, table_SxM, lengths, scale=dim ** -0.5, pages_per_block=2,
-            slots_per_chunk=chunk))(length_S))
+            slots_per_chunk=chunk, unroll=unroll))(length_S))
 
     whole = attend(length_S, slots)
     for chunk in (2, 3, 5, 8):
         np.testing.assert_array_equal(attend(length_S, chunk), whole, err_msg=f"C={chunk}")
+        # Every block for every chunk, loop-free (what FLOP accounting compiles).
+        np.testing.assert_array_equal(attend(length_S, chunk, unroll=True), whole,
+                                      err_msg=f"unrolled, C={chunk}")
     # Slot 4's output when every other slot is free, or as long as the longest.
     for other in (0, 24):
         alone = attend(jnp.where(jnp.arange(slots) == 4, length_S, other), 2)

@@ -15,6 +15,7 @@ from jaxrl.models.config import tiny_config
 from jaxrl.perf.flops import program_cost
 from jaxrl.rl import PolicyLossConfig
 from jaxrl.rollout import SamplerConfig
+from jaxrl.rollout.settings import EngineConfig
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state
 from jaxrl.step.accounting import StepShapes, _Phases, _trips, account_step
@@ -34,8 +35,14 @@ MOE = tiny_config("qwen3_moe", hidden_size=128, moe_intermediate_size=256, num_e
                   vocab_size=256)
 
 
+# The engine as runs use it (`rollout.engine_config()`), with 4 slots for the 16 rows and
+# pages of 4 tokens read 2 pages a block: a page table of 4 pages, 2 blocks.
+ENGINE = EngineConfig(max_slots=4, page_size=4, pages_per_block=2)
+
+
 @functools.cache
-def _account(layout="single", remat="none", chunk=None, layers=2, algo=ALGO, base=CONFIG):
+def _account(layout="single", remat="none", chunk=None, layers=2, algo=ALGO, base=CONFIG,
+             engine=None):
     config = dataclasses.replace(base, remat=remat, num_layers=layers)
     lay = load_layout(layout)
     mesh = make_mesh(lay, jax.devices()[:1] if layout == "single" else None)
@@ -45,7 +52,7 @@ def _account(layout="single", remat="none", chunk=None, layers=2, algo=ALGO, bas
     graphdef, state = nnx.split(ts)
     algo = dataclasses.replace(algo, logprob_chunk_size=chunk)
     sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
-                            num_generations=SHAPES.generations)
+                            num_generations=SHAPES.generations, engine=engine)
     return account_step(algo, config, sampler, SHAPES, graphdef, state)
 
 
@@ -189,3 +196,30 @@ def test_ppo_critic_work_is_counted_and_matches_the_analytic_count(kind):
     ratio = acc["grad"].cost.flops / grpo["grad"].cost.flops
     assert 1.5 < ratio < 2.0 if kind == "separate" else 1.0 < ratio < 1.02, ratio
     assert acc["update"].cost.flops > grpo["update"].cost.flops
+
+
+def test_an_engine_run_counts_the_engines_own_prefill_and_decode_iteration():
+    """With an engine the decode program counted is the engine's loop iteration: its 4 slots
+    (not the 16 rows), reading the page pool; one slot's work is about one dense row's."""
+    acc, dense = _account(engine=ENGINE), _account()
+    assert acc.rows == 4 and dense.rows == SHAPES.rows
+    # 4 slots x 8 iterations are 8 runs of the 4-slot program.
+    assert acc.decode_steps(4 * 8) == 8
+    sampler = SamplerConfig(max_new_tokens=SHAPES.max_new_tokens,
+                            num_generations=SHAPES.generations, engine=ENGINE)
+    phases = _Phases(ALGO, CONFIG, sampler, SHAPES, _trips(ALGO, SHAPES, CONFIG), remat="none",
+                     chunk_size=None, num_layers=1).lower()
+    shapes = {x.shape for x in jax.tree.leaves(phases["decode"].args_info)}
+    # The pool: [layers, pages (4 prompts x 2 + 4 slots x 3 own, a worst-case row's),
+    # page size, 2 K, H].
+    assert (1, 4 * 2 + 4 * 3, 4, 2 * CONFIG.num_kv_heads, CONFIG.head_dim) in shapes
+    assert (4, 4) in shapes  # the slots' page table
+    model, analytic = _phases(acc.model), _phases(acc.analytic)
+    for phase in ("prefill", "decode"):
+        xla, expected = model[phase].cost.flops, analytic[phase].cost.flops
+        assert expected <= xla <= 1.05 * expected, (phase, xla, expected)
+    per_slot = model["decode"].cost.flops / acc.rows
+    per_row = _phases(dense.model)["decode"].cost.flops / dense.rows
+    assert per_slot == pytest.approx(per_row, rel=0.05)
+    # The train phases do not depend on the sampler.
+    assert model["grad"] == _phases(dense.model)["grad"]
