@@ -2,17 +2,22 @@
 advantage x params x arch x processes either trains 3 steps or is refused when it is planned,
 and docs/composition.md shows the same table the code computes.
 
-Not here yet: running each cell that runs for 3 steps. Run as `jaxrl train` processes on 8
-fake CPU devices, the split-mode single-turn GRPO cells abort in XLA ("Termination timeout
-for all gather Rendezvous") on this 2-core machine; that is to be understood before the runs
-join the suite (issue 41, part 5).
+Here (fast tier): the docs' table is the computed one, every refusal names what to use, and
+every refused one-process cell is refused by `jaxrl train` itself (in process: it stops at
+planning, before anything compiles), with exit status 2 and its message. The cells that run,
+and the two-process cells, run as `jaxrl` processes in tests/config/test_composition_runs.py
+(process tier).
 """
 
 from pathlib import Path
 
-from jaxrl.config.composition import cells, refusal, table
+import pytest
+
+from jaxrl.cli import main
+from jaxrl.config.composition import cells, config_name, overrides, refusal, table
 
 ROOT = Path(__file__).resolve().parents[2]
+REFUSED_ONE_PROCESS = [c for c in cells() if c.processes == 1 and refusal(c) is not None]
 
 
 def test_the_docs_table_is_the_computed_one():
@@ -27,3 +32,13 @@ def test_every_cell_is_covered_and_every_refusal_names_what_to_use():
         why = refusal(cell)
         if why is not None:
             assert "use " in why or "must be" in why, (cell.name, why)
+
+
+@pytest.mark.parametrize("cell", REFUSED_ONE_PROCESS, ids=lambda c: c.name)
+def test_a_refused_one_process_cell_is_refused_by_jaxrl_train(cell, tmp_path, capsys):
+    status = main(["train", str(ROOT / "configs" / config_name(cell)),
+                   f"train.run_dir={tmp_path / 'run'}", "train.max_steps=3", *overrides(cell)])
+    err = capsys.readouterr().err
+    assert status == 2, (cell.name, err[-2000:])
+    assert " ".join(refusal(cell).split()) in " ".join(err.split()), (cell.name, err[-2000:])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
