@@ -130,20 +130,27 @@ def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
 
     init = (jnp.int32(0), jnp.int32(0), jnp.full((k, s, g), -jnp.inf, jnp.float32),
             jnp.zeros((k, s, g), jnp.float32), jnp.zeros((k, s, g, h), jnp.float32))
-    if num_blocks_total == 1 and c == s:  # one chunk, one block: no loop (a per-layer cost)
-        _, _, _, l_KxSxG, acc_KxSxGxH = body(init)
-    elif unroll:
+    _, _, _, l_KxSxG, acc_KxSxGxH = _over_blocks(body, init, num_blocks, num_blocks_total, s,
+                                                 c, unroll)
+    out_KxSxGxH = acc_KxSxGxH / jnp.where(l_KxSxG > 0, l_KxSxG, 1.0)[..., None]
+    out_SxKxGxH = out_KxSxGxH.transpose(1, 0, 2, 3)
+    return out_SxKxGxH.reshape(s, n, h).astype(q_SxNxH.dtype)
+
+
+def _over_blocks(body, init, num_blocks: jax.Array, num_blocks_total: int, s: int, c: int,
+                 unroll: bool):
+    """`body` applied to `init` over the live (block, chunk) pairs: a while loop up to
+    `num_blocks`; one call when one chunk and one block is all (no loop: a per-layer cost);
+    with `unroll` every block of every chunk of the S slots, loop-free."""
+    if num_blocks_total == 1 and c == s:
+        return body(init)
+    if unroll:
         state = init
         for i in range(num_blocks_total):
             for r in range(0, s, c):
                 state = body((jnp.int32(i), jnp.int32(r), *state[2:]))
-        _, _, _, l_KxSxG, acc_KxSxGxH = state
-    else:
-        _, _, _, l_KxSxG, acc_KxSxGxH = jax.lax.while_loop(lambda st: st[0] < num_blocks,
-                                                           body, init)
-    out_KxSxGxH = acc_KxSxGxH / jnp.where(l_KxSxG > 0, l_KxSxG, 1.0)[..., None]
-    out_SxKxGxH = out_KxSxGxH.transpose(1, 0, 2, 3)
-    return out_SxKxGxH.reshape(s, n, h).astype(q_SxNxH.dtype)
+        return state
+    return jax.lax.while_loop(lambda st: st[0] < num_blocks, body, init)
 
 
 def _kv_heads_split() -> bool:
