@@ -1,7 +1,9 @@
 """Golden metrics: `jaxrl train` runs (the quickstart's first 64 steps and its whole run;
 async, multi-turn, LoRA, MoE and GAE-critic runs of a few steps: tests/golden/runs.py) give,
 step by step, the metrics recorded in tests/golden/<name>.json before issue 41's refactor of
-the step, the loop and the config. A refactor must change no number: re-recording
+the step, the loop and the config (but for the FLOP counts perf/model_flops, perf/xla_flops
+and perf/analytic_flops, re-recorded alone when the accounting came to count the engine's
+programs: each golden's "rerecorded" says so). A refactor must change no number: re-recording
 (tests/golden/record.py) is for an intended change of the numbers only, stated in its commit.
 
 Every metric of every step is compared, with rel 1e-6, and abs 1e-6 for values near zero
