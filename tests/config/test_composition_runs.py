@@ -1,7 +1,11 @@
 """Every cell of the composition matrix (docs/composition.md) as `jaxrl` processes (process
 tier): each one-process cell that runs trains 3 steps as its own `jaxrl train` on 8 fake CPU
-devices, and each two-process cell runs through `launch/local_multiprocess.sh 2` (2 processes
-x 4 devices, gloo): 3 steps when it runs, exit status 2 and its message when it is refused.
+devices, and each two-process cell that runs trains 3 steps through
+`launch/local_multiprocess.sh 2` (2 processes x 4 devices, gloo). Of the 40 refused
+two-process cells, one per distinct refusal (4) is launched the same way and must exit with
+status 2 and its message; every refused cell's message is computed by loading its config and
+planning it for 2 processes (`composition.refusal`, the same `plan` the run calls; checked
+in the fast tier, tests/config/test_composition.py), and a launch costs ~25-45 s here.
 
 A cell that trains must leave 3 metric records (steps 0, 1, 2) whose policy loss and gradient
 norm are finite. Each run is its own process: 32 trainings in one pytest worker once aborted
@@ -29,7 +33,19 @@ QUIET = ["eval.num_prompts=0", "log.plot=false", "log.tensorboard=false",
          "train.save_final=false", "train.checkpoint_every=0", "perf.count_flops=false",
          "train.max_steps=3"]
 RUNS_ONE_PROCESS = [c for c in cells() if c.processes == 1 and refusal(c) is None]
-TWO_PROCESSES = [c for c in cells() if c.processes == 2]
+
+def _two_process_cells() -> list[Cell]:
+    """The two-process cells that run, and the first cell of each distinct refusal."""
+    picked, refusals = [], set()
+    for cell in cells():
+        why = refusal(cell) if cell.processes == 2 else None
+        if cell.processes == 2 and (why is None or why not in refusals):
+            picked.append(cell)
+            refusals.add(why)
+    return picked
+
+
+TWO_PROCESSES = _two_process_cells()
 TIMEOUT_S = 600
 
 
