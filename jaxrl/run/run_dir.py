@@ -133,7 +133,24 @@ def prepare_run_dir(cfg: ExperimentConfig, name: str) -> Claim:
 def claim_to_add(run_dir: Path) -> None:
     """Readies `run_dir` for a command that adds to it (`jaxrl eval`: init_model/,
     eval.jsonl): a run directory as it is, a missing or empty folder claimed with the marker,
-    anything else refused like `prepare_run_dir` refuses it."""
+    anything else refused like `prepare_run_dir` refuses it. On several processes process 0
+    claims it and the others wait (each claiming raced for the marker: the loser was told
+    another run had claimed the folder)."""
+    if jax.process_count() == 1:
+        return _claim_to_add(run_dir)
+    error = {}
+    if is_main():
+        try:
+            _claim_to_add(run_dir)
+        except RunDirError as e:
+            error = {"error": str(e)}
+    error = broadcast(error)
+    if "error" in error:
+        raise RunDirError(error["error"])
+    sync("jaxrl: run dir ready to add to")
+
+
+def _claim_to_add(run_dir: Path) -> None:
     where = f"train.run_dir {str(run_dir)!r}"
     try:
         if run_dir.exists() and not run_dir.is_dir():
