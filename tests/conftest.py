@@ -40,12 +40,13 @@ unroll_cpu_threefry()
 import pytest  # noqa: E402
 
 from jaxrl.models.config import tiny_config as make_tiny_config  # noqa: E402
-from tests import compile_stats  # noqa: E402
+from tests import compile_stats, crash_report  # noqa: E402
 
 TIERS = ("process", "learning", "packaging")
 compile_stats.listen()
 _CACHE_ENTRIES_AT_START = compile_stats.cache_entries(os.environ["JAX_COMPILATION_CACHE_DIR"])
 _compile_totals: dict = {}  # over this run's processes (tests/compile_stats.py)
+crash_report.folder()  # made here in the controller, before it starts its workers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
@@ -74,11 +75,39 @@ def pytest_runtest_logreport(report):
             f.write(report.nodeid + "\n")
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own fault-handler plugin set stderr
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: a crash is described in its report
+        crash_report.enable(config.workerinput["workerid"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """A crashed worker's test is reported with its fault-handler dump; after an XLA abort
+    it runs once more (tests/crash_report.py says why), and this report is a RERUN."""
+    dump = crash_report.describe(report.node.gateway.id)
+    report.longrepr = f"{report.longrepr}\n{dump}"
+    if crash_report.rerun_once(crashitem, dump):
+        sched.mark_test_pending(crashitem)
+        report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report):
+    if report.outcome == "rerun":
+        return "rerun", "R", ("RERUN", {"yellow": True})
+    return None
+
+
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workerinput"):  # an xdist worker: its counts go to the controller
         session.config.workeroutput["compile_stats"] = compile_stats.counts()
     else:
         compile_stats.add(_compile_totals, compile_stats.counts())
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        crash_report.remove()
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook; the serving environment has no xdist
@@ -87,6 +116,9 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    for report in terminalreporter.stats.get("rerun", []):
+        terminalreporter.write_sep("=", f"RERUN after its worker aborted: {report.nodeid}")
+        terminalreporter.write_line(str(report.longrepr))
     if not hasattr(config, "workerinput") and _compile_totals:
         terminalreporter.write_line(compile_stats.summary(
             _compile_totals, os.environ["JAX_COMPILATION_CACHE_DIR"], _CACHE_ENTRIES_AT_START))
