@@ -61,12 +61,9 @@ def run_generate(cfg: GenerateConfig, console: Console) -> list[dict[str, Any]]:
                             rules=layout.rollout_rules, scan_layers=cfg.model.scan_layers,
                             attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
     graphdef, params = nnx.split(model)
-    sampler_config = SamplerConfig(
-        max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
-        stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
-            tokenizer, model.config, cfg.rollout.stop_token_ids),
-        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling,
-        engine=cfg.rollout.engine)
+    sampler_config = SamplerConfig.of(
+        cfg.rollout, stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
+            tokenizer, model.config, cfg.rollout.stop_token_ids), pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(graphdef, sampler_config, mesh=mesh, rules=layout.rollout_rules)
     ids_BxP, mask_BxP = encode_prompts(tokenizer, cfg.generate.prompts,
                                        chat_template=cfg.generate.chat_template)

@@ -1,10 +1,10 @@
 """The sampling sections: `rollout` (training's samples) and `eval` (held-out evaluation).
 
 Both draw tokens as `sampling` says: that key is the sampler's own `SamplingParams`
-(`jaxrl.rollout.settings`: temperature / top_k / top_p, checked there once); `rollout.engine`
-is the engine's own `EngineConfig` (slots, pages, batching, attention). `rollout` adds the
-group size and the completion budget, `eval` which held-out prompts, how many samples each
-and pass@k.
+(`jaxrl.rollout.settings`: temperature / top_k / top_p, checked there once). `rollout` is the
+engine's own `Generation` (group size, token caps, turns and budget, `sampling`, and
+`rollout.engine`: the engine's `EngineConfig`), plus the stop tokens and in-flight updates;
+`eval` says which held-out prompts, how many samples each and pass@k.
 """
 
 from __future__ import annotations
@@ -12,21 +12,20 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.config_base import fail, require_at_least
-from jaxrl.rollout.settings import EngineConfig, SamplingParams
+from jaxrl.rollout.settings import EngineConfig, Generation, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    """`rollout`: G samples per prompt, up to `max_new_tokens` each. The trainer scores every
-    token at `sampling.temperature`, the distribution it was sampled from."""
+class RolloutSection(Generation):
+    """`rollout`: G samples per prompt, up to `max_new_tokens` each (multi-turn: per turn,
+    `max_turns` turns within `max_total_tokens`): the engine's own `Generation`, its keys and
+    checks there. The trainer scores every token at `sampling.temperature`, the distribution
+    it was sampled from."""
 
-    num_generations: int = 1  # samples per prompt (the GRPO group)
-    max_new_tokens: int = 64
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # besides the EOS ids
     # No stop tokens at all, EOS included: every training completion has exactly
     # max_new_tokens tokens (benchmarks; vLLM's ignore_eos). Evaluation still stops at EOS.
     ignore_eos: bool = False
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     # The engine (`jaxrl.rollout.slots`): decode slots over a paged KV cache, batching,
     # the tail's slot halving, the attention path (`jaxrl.rollout.settings.EngineConfig`).
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
@@ -34,17 +33,9 @@ class RolloutSection:
     # the steps it waits for, each piece with the newest weights (PipelineRL's in-flight
     # weight updates; jaxrl.rollout.inflight). Each token records its weight version.
     inflight_updates: bool = False
-    # Multi-turn (the task's environment or data.env; `jaxrl.step.multiturn_rollout`): policy turns
-    # per sample, max_new_tokens each, and the completion's budget over all turns and the
-    # observations between them (null: max_turns x max_new_tokens).
-    max_turns: int = 1
-    max_total_tokens: int | None = None
 
     def __post_init__(self):
-        require_at_least("rollout", self, ("num_generations", "max_new_tokens", "max_turns"))
-        if self.max_total_tokens is not None and self.max_total_tokens < self.max_new_tokens:
-            fail("rollout", self, "max_total_tokens", f">= rollout.max_new_tokens="
-                                                      f"{self.max_new_tokens} (one turn), or null")
+        super().__post_init__()
         if self.inflight_updates and self.engine.min_slots not in (None, "auto"):
             raise ValueError(f"rollout.inflight_updates=true keeps a rollout's slot count "
                              f"between its pieces, but rollout.engine.min_slots="
@@ -52,13 +43,6 @@ class RolloutSection:
         if self.ignore_eos and self.stop_token_ids:
             raise ValueError(f"rollout.ignore_eos=true stops on no token, but "
                              f"rollout.stop_token_ids={list(self.stop_token_ids)}; expected []")
-
-    @property
-    def completion_budget(self) -> int:
-        """C: completion tokens of a sample (all turns and observations when multi-turn)."""
-        if self.max_total_tokens is not None:
-            return self.max_total_tokens
-        return self.max_turns * self.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)

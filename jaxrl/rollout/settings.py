@@ -90,3 +90,47 @@ class EngineConfig:
     @property
     def read(self) -> Attention:
         return Attention(self.attention, self.pages_per_block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What a rollout draws for each prompt: `num_generations` samples (the GRPO group), each
+    turn at most `max_new_tokens` tokens drawn as `sampling` says, batched and paged as
+    `engine` says (None: the dense reference sampler, `jaxrl.rollout.sampler`). Multi-turn
+    (`jaxrl.step.multiturn_rollout`): at most `max_turns` policy turns, whose tokens and the
+    observations between them fit `completion_budget` (`max_total_tokens`; None: max_turns x
+    max_new_tokens); a single-turn call draws one turn.
+
+    The config's `rollout` section is one (`jaxrl.config.sampling.RolloutSection`), so are the
+    sampler's (`SamplerConfig`) and multi-turn's settings, made from it by `of`: its fields
+    and their checks are written here once.
+    """
+
+    max_new_tokens: int = 64
+    num_generations: int = 1
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    engine: EngineConfig | None = None
+    max_turns: int = 1
+    max_total_tokens: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "num_generations", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.max_new_tokens:
+            raise ValueError(f"max_total_tokens must be >= max_new_tokens="
+                             f"{self.max_new_tokens} (one turn), or null, got "
+                             f"{self.max_total_tokens}")
+
+    @property
+    def completion_budget(self) -> int:
+        """C: completion tokens of a sample (all turns and observations when multi-turn)."""
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        return self.max_turns * self.max_new_tokens
+
+    @classmethod
+    def of(cls, generation: Generation, **more):
+        """A `cls` with `generation`'s fields (a config's rollout section, say) and `more`."""
+        return cls(**{field.name: getattr(generation, field.name)
+                      for field in dataclasses.fields(Generation)}, **more)

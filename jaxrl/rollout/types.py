@@ -9,33 +9,23 @@ its prompt's key, so a row's tokens depend on neither the batch nor the engine's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxrl.rollout.settings import SamplingParams
+from jaxrl.rollout.settings import Generation
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-    """What one `generate` call produces."""
+class SamplerConfig(Generation):
+    """What one `generate` call produces: a `Generation` (made from the config's rollout
+    section by `SamplerConfig.of(cfg.rollout, ...)`), stopping at `stop_token_ids` (EOS
+    included) and padding with `pad_token_id`. A single-turn call ignores `max_turns` and
+    `max_total_tokens` (multi-turn's: `jaxrl.step.multiturn_rollout`)."""
 
-    max_new_tokens: int
-    num_generations: int = 1
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    # The engine's batching and paging (`jaxrl.rollout.settings.EngineConfig`); None:
-    # the dense reference sampler (`jaxrl.rollout.sampler`, what the engine is tested against).
-    engine: Any = None
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
 
 
 @struct.dataclass

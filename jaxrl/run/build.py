@@ -248,12 +248,9 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
           ) -> Step:
     """The run's step: the learner, with the rollout source of the run's plan."""
     (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
-    sampler_config = SamplerConfig(
-        max_new_tokens=cfg.rollout.max_new_tokens, num_generations=cfg.rollout.num_generations,
-        stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
-            tokenizer, model_config, cfg.rollout.stop_token_ids),
-        pad_token_id=pad_token_id(tokenizer), sampling=cfg.rollout.sampling,
-        engine=cfg.rollout.engine)
+    sampler_config = SamplerConfig.of(
+        cfg.rollout, stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
+            tokenizer, model_config, cfg.rollout.stop_token_ids), pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(model_graphdef, sampler_config, mesh=rollout_mesh or mesh,
                       rules=rollout_layout.rollout_rules)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(

@@ -24,8 +24,9 @@ from jaxrl.envs.tool_env import build_tools
 from jaxrl.envs.tools import tool_schema
 from jaxrl.envs.tools_config import ToolsConfig
 from jaxrl.rl.rewards import JaxReward
+from jaxrl.rollout.settings import Generation
 from jaxrl.step.multiturn import Episodes, env_reward, make_environment
-from jaxrl.step.multiturn_rollout import MultiTurnConfig
+from jaxrl.step.multiturn_config import MultiTurnConfig
 
 TOOLS_ENV = "tools"
 
@@ -108,9 +109,8 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
     b = cfg.data.batch_size * r.num_generations
     stops = (*end_tag_ids(spec, tools, tokenizer), *r.stop_token_ids)
     config = MultiTurnConfig(
-        max_turns=r.max_turns, max_total_tokens=r.completion_budget,
-        max_turn_tokens=r.max_new_tokens, num_slots=min(r.engine.max_slots or b, b),
-        page_size=r.engine.page_size, stop_token_ids=tuple(dict.fromkeys(stops)),
+        Generation.of(r), num_slots=min(r.engine.max_slots or b, b),
+        stop_token_ids=tuple(dict.fromkeys(stops)),
         eos_token_ids=() if r.ignore_eos else tuple(eos_ids),
         pad_token_id=pad_token_id(tokenizer), env_timeout_s=cfg.data.env_timeout_s)
 

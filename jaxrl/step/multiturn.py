@@ -47,7 +47,8 @@ from jaxrl.envs.base import EnvFactory, EnvFailure, Environment
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.rollout.episode_rows import MultiTurnRollout
 from jaxrl.sharding import AxisRules
-from jaxrl.step.multiturn_rollout import MultiTurnConfig, rollout_multiturn
+from jaxrl.step.multiturn_config import MultiTurnConfig
+from jaxrl.step.multiturn_rollout import rollout_multiturn
 from jaxrl.step.phases import reward_inputs
 from jaxrl.step.sources import Batch, Made, RolloutSource
 

@@ -66,63 +66,12 @@ from jaxrl.models import Transformer
 from jaxrl.rollout import slots
 from jaxrl.rollout.episode_rows import MultiTurnRollout, Row, assemble
 from jaxrl.rollout.pages import PoolLayout
-from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import SamplingParams
 from jaxrl.rollout.slots_on_mesh import SlotSplit
 from jaxrl.rollout.types import row_keys
 from jaxrl.sharding import AxisRules, state_shardings
 from jaxrl.step.env_calls import EnvCalls
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnConfig:
-    """The static shape of a multi-turn rollout.
-
-    max_turns: policy turns per episode. max_total_tokens: C, completion tokens per row
-    (turns and observations). max_turn_tokens: tokens of one turn. stop_token_ids: end a turn
-    (EOS and the tool call's end tag); eos_token_ids (added to them) also end the episode
-    after the environment saw the turn. num_slots: rows decoded at once. chunk_width: tokens
-    per `extend` call (an observation longer than chunk_width - 1 takes several).
-    env_workers: threads running `env.step` (None: num_slots). env_timeout_s: the longest
-    one `env.step` call may take (None: no limit).
-    """
-
-    max_turns: int
-    max_total_tokens: int
-    max_turn_tokens: int
-    num_slots: int = 8
-    page_size: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    eos_token_ids: tuple[int, ...] = ()
-    chunk_width: int = 64
-    pad_token_id: int = 0
-    env_workers: int | None = None
-    env_timeout_s: float | None = None
-    attention: str = "xla"
-
-    def __post_init__(self):
-        for name in ("max_turns", "max_total_tokens", "max_turn_tokens", "num_slots",
-                     "page_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_width < 2:
-            raise ValueError(f"chunk_width must be >= 2, got {self.chunk_width}")
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"env_timeout_s must be > 0 or None, got {self.env_timeout_s}")
-
-    @property
-    def stops(self) -> slots.Stops:
-        """EOS ends the row (on the device: its pages go back); a stop token or the turn's
-        `max_turn_tokens`-th token ends the turn; `max_total_tokens` is each row's limit."""
-        return slots.Stops(row_ids=tuple(self.eos_token_ids),
-                           turn_ids=tuple(dict.fromkeys(self.stop_token_ids + self.eos_token_ids)),
-                           turn_tokens=self.max_turn_tokens)
-
-    def layout(self, prompt_len: int, num_slots: int) -> PoolLayout:
-        """A pool of `num_slots` slots (one device's): one prompt home per slot, and row
-        pages for every slot's whole budget at once."""
-        return PoolLayout.plan(page_size=self.page_size, num_prompts=num_slots,
-                               prompt_len=prompt_len, max_new_tokens=self.max_total_tokens,
-                               num_slots=num_slots)
+from jaxrl.step.multiturn_config import MultiTurnConfig
 
 
 # The device operations, jitted once per (model graph, shapes, settings): `weights` traced.
@@ -176,15 +125,17 @@ def rollout_multiturn(model: Transformer, prompt_ids_BxP, prompt_mask_BxP,
                       envs: Sequence[Environment], encode: Callable[[str], list[int]],
                       decode: Callable[[list[int]], str], key: jax.Array,
                       config: MultiTurnConfig, sampling: SamplingParams | None = None,
-                      *, num_generations: int = 1, mesh: Mesh | None = None,
+                      *, num_generations: int | None = None, mesh: Mesh | None = None,
                       rules: AxisRules | None = None) -> MultiTurnRollout:
     """Runs every row's episode (see the module docstring); `envs[r]` is row r's
     environment. Prompts are left-padded, B = prompts x num_generations rows, prompt-major;
     `key` is one key (or one per prompt), split per row as the RL engine does;
-    `sampling` defaults to temperature 1, no filter. On `mesh` (`rules`: the rollout rules)
-    the weights are laid out by the rules once, and the slots split over the devices."""
+    `sampling` and `num_generations` default to `config.generation`'s. On `mesh` (`rules`:
+    the rollout rules) the weights are laid out by the rules once, and the slots split over
+    the devices."""
     began = time.perf_counter()
-    sampling = SamplingParams() if sampling is None else sampling
+    sampling = config.generation.sampling if sampling is None else sampling
+    num_generations = num_generations or config.generation.num_generations
     ids_BxP, mask_BxP = _checked_prompts(prompt_ids_BxP, prompt_mask_BxP, len(envs),
                                          num_generations)
     b, p = ids_BxP.shape

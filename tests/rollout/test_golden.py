@@ -25,6 +25,7 @@ from jaxrl.envs.base import Observation
 from jaxrl.models import Transformer
 from jaxrl.models.config import tiny_config
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import EngineConfig, Generation
 
 GOLDEN = Path(__file__).with_name("golden_engines.json")
 EOS = 2
@@ -169,8 +170,9 @@ def episodes(model, layout=None, num_slots=3):
     prompts = PROMPTS[:4]
     ids, mask = _left_padded(prompts)
     ids, mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
-    config = MultiTurnConfig(max_turns=3, max_total_tokens=20, max_turn_tokens=4,
-                             num_slots=num_slots, page_size=4, stop_token_ids=(STOP,),
+    turns = Generation(max_new_tokens=4, max_turns=3, max_total_tokens=20,
+                       engine=EngineConfig(page_size=4))
+    config = MultiTurnConfig(turns, num_slots=num_slots, stop_token_ids=(STOP,),
                              eos_token_ids=(EOS,), chunk_width=8)
     mesh, rules = _mesh(layout)
     out = rollout_multiturn(model, ids, mask, [EchoEnv() for _ in range(8)],

@@ -19,12 +19,21 @@ from jaxrl.models.config import tiny_config
 from jaxrl.rollout import slots
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
+from jaxrl.rollout.settings import EngineConfig, Generation
 from jaxrl.step.forward import completion_log_probs
 from jaxrl.step.multiturn_rollout import MultiTurnConfig, jitted_ops, rollout_multiturn
 
 EOS = 2
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31]]
 WIDTH = 6
+
+
+def turns(max_turns, max_total_tokens, max_turn_tokens, **more) -> MultiTurnConfig:
+    """Episodes of at most `max_turns` turns of `max_turn_tokens` tokens within
+    `max_total_tokens`, on pages of 4 tokens."""
+    limits = Generation(max_new_tokens=max_turn_tokens, max_turns=max_turns,
+                        max_total_tokens=max_total_tokens, engine=EngineConfig(page_size=4))
+    return MultiTurnConfig(limits, **more)
 
 
 def encode(text):
@@ -134,8 +143,7 @@ def test_a_scripted_environment_gives_the_layout_masks_and_boundaries(model):
                Observation(done=True, reward=1.5, tools=ToolStats(calls=2, timeouts=1))]
     envs = [ScriptedEnv(answers), ScriptedEnv(answers[:1] + [Observation(done=True)])]
     ids, mask = _prompts(PROMPTS[:2])
-    config = MultiTurnConfig(max_turns=5, max_total_tokens=24, max_turn_tokens=4, num_slots=2,
-                             page_size=4, chunk_width=8)
+    config = turns(5, 24, 4, num_slots=2, chunk_width=8)
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
     r = out.rollout
     comp, cmask = np.asarray(r.completion_ids_BxC), np.asarray(r.completion_mask_BxC)
@@ -175,8 +183,7 @@ def test_sampler_log_probs_equal_the_trainers(model, g, family):
     sampling = SamplingParams(temperature=1.0)
     ids, mask = _prompts(PROMPTS, g)
     envs = [EchoEnv() for _ in range(len(ids))]
-    config = MultiTurnConfig(max_turns=4, max_total_tokens=24, max_turn_tokens=5, num_slots=3,
-                             page_size=4, chunk_width=3, stop_token_ids=(7, 9))
+    config = turns(4, 24, 5, num_slots=3, chunk_width=3, stop_token_ids=(7, 9))
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(2), config,
                             sampling, num_generations=g)
     r = out.rollout
@@ -199,8 +206,7 @@ def test_a_slow_environment_does_not_stall_the_other_slots(model):
     all their turns (through the other slot) before it returns."""
     answers = [Observation(ids=[30, 31]), Observation(done=True, reward=1.0)]
     ids, mask = _prompts(PROMPTS)
-    config = MultiTurnConfig(max_turns=3, max_total_tokens=16, max_turn_tokens=3, num_slots=2,
-                             page_size=4, chunk_width=8)
+    config = turns(3, 16, 3, num_slots=2, chunk_width=8)
 
     def run(sleep):
         envs = [ScriptedEnv(answers, sleep if i == 0 else 0.0) for i in range(4)]
@@ -221,25 +227,24 @@ def test_budget_and_turn_limits_end_the_episode(model):
     ids, mask = _prompts(PROMPTS[:2])
     long_obs = Observation(ids=list(range(20, 30)))
     # Budget 12, turns of 4: turn | 8 of the 10 observation tokens, and the episode ends.
-    config = MultiTurnConfig(max_turns=5, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
-                             page_size=4, chunk_width=8)
+    config = turns(5, 12, 4, num_slots=2, chunk_width=8)
     envs = [ScriptedEnv([long_obs]) for _ in range(2)]
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(4), config)
     comp = np.asarray(out.rollout.completion_ids_BxC)
     assert comp[:, 4:].tolist() == [list(range(20, 28))] * 2
     assert out.observation_mask_BxC.sum(axis=1).tolist() == [8, 8]
     assert out.num_turns_B.tolist() == [1, 1] and out.truncated_B.all()
-    # A turn cut by the budget (6 of 10 tokens): the environment still sees it.
-    config = MultiTurnConfig(max_turns=5, max_total_tokens=6, max_turn_tokens=10, num_slots=2,
-                             page_size=4, chunk_width=8)
-    envs = [ScriptedEnv([Observation(ids=[30], reward=0.5)]) for _ in range(2)]
+    # A turn cut by the budget (turn 2: 1 of 10 tokens, after 10 and an observation of 1):
+    # the environment still sees it, and its reward is the row's.
+    config = turns(5, 12, 10, num_slots=2, chunk_width=8)
+    envs = [ScriptedEnv([Observation(ids=[30]), Observation(ids=[31], reward=0.5)])
+            for _ in range(2)]
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(4), config)
     assert np.asarray(out.rollout.completion_mask_BxC).all() and out.truncated_B.all()
-    assert out.turn_ends_BxK[:, 0].tolist() == [6, 6] and [len(e.turns) for e in envs] == [1, 1]
-    assert out.reward_B.tolist() == [0.5, 0.5]
+    assert out.turn_ends_BxK[:, :2].tolist() == [[10, 12]] * 2
+    assert [len(e.turns) for e in envs] == [2, 2] and out.reward_B.tolist() == [0.5, 0.5]
     # max_turns 2 with an environment that never ends: 2 turns, the second observation dropped.
-    config = MultiTurnConfig(max_turns=2, max_total_tokens=24, max_turn_tokens=4, num_slots=2,
-                             page_size=4, chunk_width=8)
+    config = turns(2, 24, 4, num_slots=2, chunk_width=8)
     envs = [ScriptedEnv([Observation(ids=[30, 31])]) for _ in range(2)]
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(4), config)
     assert out.num_turns_B.tolist() == [2, 2] and [len(e.turns) for e in envs] == [2, 2]
@@ -252,9 +257,8 @@ def test_one_or_four_slots_give_the_same_tokens_without_recompiling(model):
     ids, mask = _prompts(PROMPTS, 2)
 
     def run(slots):
-        config = MultiTurnConfig(max_turns=4, max_total_tokens=24, max_turn_tokens=5,
-                                 num_slots=slots, page_size=4, chunk_width=4,
-                                 stop_token_ids=(7, 9), eos_token_ids=(EOS,))
+        config = turns(4, 24, 5, num_slots=slots, chunk_width=4, stop_token_ids=(7, 9),
+                       eos_token_ids=(EOS,))
         envs = [EchoEnv() for _ in range(len(ids))]
         return rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(5),
                                  config, sampling, num_generations=2)
@@ -279,8 +283,7 @@ def test_a_failing_environment_names_its_row(model):
             raise KeyError("tool")
 
     ids, mask = _prompts(PROMPTS[:2])
-    config = MultiTurnConfig(max_turns=2, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
-                             page_size=4, chunk_width=8)
+    config = turns(2, 12, 4, num_slots=2, chunk_width=8)
     envs = [ScriptedEnv([Observation(done=True)]), Broken()]
     with pytest.raises(EnvFailure, match=r"^sample 1, turn 1: env.step\(turn\) raised "
                                          r"KeyError: 'tool'$"):
@@ -302,8 +305,7 @@ def test_a_huge_text_observation_is_cut_before_it_is_tokenized(model):
 
     ids, mask = _prompts(PROMPTS[:2])
     huge = Observation(text=" ".join(["21"] * 350_000))  # 1,049,999 characters
-    config = MultiTurnConfig(max_turns=5, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
-                             page_size=4, chunk_width=8)
+    config = turns(5, 12, 4, num_slots=2, chunk_width=8)
     envs = [ScriptedEnv([huge]) for _ in range(2)]
     out = rollout_multiturn(model, ids, mask, envs, counting_encode, decode, jax.random.key(4),
                             config)
@@ -318,8 +320,7 @@ def test_a_slow_environment_past_its_time_limit_names_its_row_and_turn(model):
             time.sleep(30)
 
     ids, mask = _prompts(PROMPTS[:2])
-    config = MultiTurnConfig(max_turns=2, max_total_tokens=12, max_turn_tokens=4, num_slots=2,
-                             page_size=4, chunk_width=8, env_timeout_s=0.5)
+    config = turns(2, 12, 4, num_slots=2, chunk_width=8, env_timeout_s=0.5)
     envs = [ScriptedEnv([Observation(done=True)]), Hang()]
     start = time.monotonic()
     with pytest.raises(EnvFailure, match=r"^sample 1, turn 1: env.step\(turn\) did not return "

@@ -15,6 +15,7 @@ from jaxrl.envs.base import Observation, ToolStats
 from jaxrl.models import Transformer
 from jaxrl.rl import JaxReward, PolicyLossConfig, RewardSet
 from jaxrl.rollout import Prompts, Rollout, Sampler, SamplerConfig
+from jaxrl.rollout.settings import Generation
 from jaxrl.sharding import load_layout, make_mesh
 from jaxrl.step import create_train_state
 from jaxrl.step.builder import Step, build_step
@@ -106,8 +107,8 @@ def test_multiturn_step_runs_episodes_with_turn_and_tool_metrics():
     ts = _train_state()
     stop = 5  # every turn ends at token 5 (kept) or after 6 tokens
     sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=6, num_generations=G))
-    config = MultiTurnConfig(max_turns=3, max_total_tokens=16, max_turn_tokens=6, num_slots=8,
-                             stop_token_ids=(stop,), eos_token_ids=(2,))
+    config = MultiTurnConfig(Generation(max_new_tokens=6, max_turns=3, max_total_tokens=16),
+                             num_slots=8, stop_token_ids=(stop,), eos_token_ids=(2,))
     episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
                         lambda ids: " ".join(map(str, ids)), config)
     graphdef, state = nnx.split(ts)
@@ -144,8 +145,8 @@ def _episode_step(layout_name, devices):
                             layout.train_rules)
     sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=6, num_generations=G),
                       mesh=mesh, rules=layout.rollout_rules)
-    config = MultiTurnConfig(max_turns=3, max_total_tokens=16, max_turn_tokens=6, num_slots=8,
-                             stop_token_ids=(5,), eos_token_ids=(2,))
+    config = MultiTurnConfig(Generation(max_new_tokens=6, max_turns=3, max_total_tokens=16),
+                             num_slots=8, stop_token_ids=(5,), eos_token_ids=(2,))
     episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
                         lambda ids: " ".join(map(str, ids)), config)
     graphdef, state = nnx.split(ts)
