@@ -19,15 +19,17 @@ blocked in two all-gathers of one execution (op 4 with 1 device arrived, op 156 
 `--xla_cpu_collective_call_terminate_timeout_seconds` only delays the abort); 11 of 15 runs
 aborted, against 0 of 5 with the flag, whose metrics were the same floats.
 
-The flag makes the deadlock rare, not impossible: XLA:CPU's executor runs a device's ready
-operations as their data allow, and two independent collectives of one program (an
-all-reduce over the data axis, another over the tensor axis; one inside a loop, one outside)
-can still be started in different orders by different devices, each then waiting for the
-others (seen with the flag, jax 0.10.2: the shipped recipes' 2-step trainings 5 in a row in
-one process, 3 of 4 such processes aborted after XLA's 40 s rendezvous timeout, one of them
-with asynchronous dispatch off). It is XLA:CPU's, on several CPU devices only (tests, fake
-devices): one device has no collectives, and a GPU or TPU runs each device's program in
-order. The test suite reruns a test once when its worker aborts (tests/crash_report.py).
+The flag makes that deadlock rare, not impossible, and not for every program: XLA:CPU's
+executor runs a device's ready operations as their data allow, and two independent
+collectives of one program can still be started in different orders by different devices,
+each then waiting for the others. Which scheduler order exposes it depends on the program
+(jax 0.10.2, 8 fake devices): the shipped recipes' 2-step trainings, 5 in a row in one
+process, aborted in 3 of 4 processes with the flag (asynchronous dispatch off did not help)
+and in 0 of 4 without it. It is XLA:CPU's, on several CPU devices only (tests): one device
+has no collectives, and a GPU or TPU runs each device's program in order. tests/conftest.py
+keeps XLA's default in its own processes (the recipes run there) and gives the `jaxrl`
+processes it starts this flag; a test whose worker aborts runs once more
+(tests/crash_report.py).
 """
 
 from __future__ import annotations

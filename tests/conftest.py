@@ -28,10 +28,25 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"jaxrl-tests-xla-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-from jaxrl.perf.compiler import unroll_cpu_threefry  # noqa: E402
-from jaxrl.runtime import configure_xla  # noqa: E402
+import jax  # noqa: E402
 
-configure_xla()  # as the jaxrl command does
+from jaxrl.perf.compiler import unroll_cpu_threefry  # noqa: E402
+from jaxrl.runtime import SERIAL_CPU_COLLECTIVES_FLAG, configure_xla  # noqa: E402
+
+# This process's own backend keeps XLA:CPU's concurrency-optimized scheduler, which the
+# `jaxrl` command turns off (jaxrl/runtime.py): neither order is safe from XLA:CPU's
+# collective deadlock on 8 fake devices, and which one aborts depends on the program. Measured
+# (jax 0.10.2): the shipped recipes' in-process trainings (tests/test_shipped_configs.py), 5 in
+# a row per process: with the scheduler off 3 of 4 processes aborted (and 3 fresh-clone fast
+# tiers), with it on 0 of 4 (20 trainings); the split-mode quickstart as `jaxrl train`: with it
+# on 11 of 15 aborted, off 0 of 5 (and the process tier's 56 runs). So the in-process tests run
+# with it on, and the `jaxrl` processes tests start get the command's flags (below).
+_scheduler = SERIAL_CPU_COLLECTIVES_FLAG.split("=")[0]
+os.environ["XLA_FLAGS"] += f" {_scheduler}=true"
+configure_xla()  # the other flags as the jaxrl command sets them
+jax.devices()  # the backend starts now, with these flags
+os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(f" {_scheduler}=true", "")
+configure_xla()  # what the processes tests start inherit: the command's flags
 # Also as the jaxrl command does, and before any test: `jaxrl.cli.main` applies it process-wide,
 # so without this a worker's programs lowered threefry one way before its first in-process CLI
 # test and the other way after, and their cache keys depended on the order xdist ran tests in.

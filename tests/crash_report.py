@@ -14,9 +14,9 @@ a fresh worker (`rerun_once`); the rerun must pass, and the abort is reported (R
 dump). Why: XLA:CPU's in-process collectives can deadlock, and abort after 40 s, when two
 devices of one program run independent collectives in different orders (jaxrl/runtime.py);
 it happens at random on the test machine's 8 fake devices (measured: the shipped recipes'
-2-step trainings run 5 in a row in one process: 3 of 4 such processes aborted, in the PPO
-recipe). One device has no collectives; a GPU or TPU runs each device's program in order on
-its own stream. A test that aborts twice fails.
+2-step trainings run 5 in a row in one process, with the `jaxrl` command's scheduler flag:
+3 of 4 such processes aborted, in the PPO recipe). One device has no collectives; a GPU or
+TPU runs each device's program in order on its own stream. A test that aborts twice fails.
 """
 
 from __future__ import annotations
