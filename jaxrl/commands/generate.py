@@ -22,7 +22,7 @@ from jaxrl.data.tokenizer import (
     encode_prompts,
     load_tokenizer,
     pad_token_id,
-    stop_token_ids,
+    rollout_stop_ids,
 )
 from jaxrl.models import from_pretrained
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig
@@ -62,8 +62,8 @@ def run_generate(cfg: GenerateConfig, console: Console) -> list[dict[str, Any]]:
                             attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
     graphdef, params = nnx.split(model)
     sampler_config = SamplerConfig.of(
-        cfg.rollout, stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
-            tokenizer, model.config, cfg.rollout.stop_token_ids), pad_token_id=pad_token_id(tokenizer))
+        cfg.rollout, stop_token_ids=rollout_stop_ids(tokenizer, model.config, cfg.rollout),
+        pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(graphdef, sampler_config, mesh=mesh, rules=layout.rollout_rules)
     ids_BxP, mask_BxP = encode_prompts(tokenizer, cfg.generate.prompts,
                                        chat_template=cfg.generate.chat_template)

@@ -31,7 +31,7 @@ from flax import nnx
 from rich.console import Console
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.data.tokenizer import load_tokenizer, stop_token_ids
+from jaxrl.data.tokenizer import load_tokenizer, rollout_stop_ids
 from jaxrl.models import from_pretrained
 from jaxrl.perf.memory import MemoryFitError, format_bytes, memory_limit
 from jaxrl.rollout import serving
@@ -82,8 +82,7 @@ def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: thre
         num_slots=slots, max_prefill_length=serve.max_prefill_length,
         max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.engine.page_size,
         sampling=serve.sampling,
-        stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
-            tokenizer, model_config, cfg.rollout.stop_token_ids),
+        stop_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
         tokenizer_dir=str(model_dir), chat_template=serve.chat_template,
         buckets=serve.prefill_buckets(), attention=cfg.rollout.engine.attention,
         dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype,

@@ -110,6 +110,15 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
     return tuple(sorted(int(i) for i in ids))
 
 
+def rollout_stop_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
+                     rollout: Any) -> tuple[int, ...]:
+    """The ids a rollout stops on: `stop_token_ids` with the config's `rollout.stop_token_ids`,
+    none at all with `rollout.ignore_eos`."""
+    if rollout.ignore_eos:
+        return ()
+    return stop_token_ids(tokenizer, model_config, rollout.stop_token_ids)
+
+
 def make_char_tokenizer(alphabet: str, *, extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """A character-level tokenizer with <pad>=0, <bos>=1, <eos>=2, for tiny demo/test models.
 

@@ -41,7 +41,7 @@ from jaxrl.config.plan import plan
 from jaxrl.data.curriculum import LAG, make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
-from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, rollout_stop_ids, stop_token_ids
 from jaxrl.distributed import broadcast
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.hf_io import read_config
@@ -249,8 +249,8 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
     """The run's step: the learner, with the rollout source of the run's plan."""
     (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
     sampler_config = SamplerConfig.of(
-        cfg.rollout, stop_token_ids=() if cfg.rollout.ignore_eos else stop_token_ids(
-            tokenizer, model_config, cfg.rollout.stop_token_ids), pad_token_id=pad_token_id(tokenizer))
+        cfg.rollout, stop_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
+        pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(model_graphdef, sampler_config, mesh=rollout_mesh or mesh,
                       rules=rollout_layout.rollout_rules)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
