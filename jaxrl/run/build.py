@@ -9,8 +9,11 @@
     task        prompt rows, verifier rewards, the fields they read
     batches     tokenized, left-padded prompt batches (drops over-long prompts, counted),
                 which prompts each step takes chosen by `data.curriculum`
-    step        the fused/split RL step program(s) over a donated train state, or the
-                asynchronous step (`jaxrl.step.asynchronous`) over the two meshes
+    plan        how the step is assembled (`jaxrl.config.plan`), decided once from the config,
+                the environment and the rewards, before the weights load: a combination
+                that cannot run is refused within seconds
+    step        the learner with the plan's rollout source (in-graph, jitted, queued on the
+                rollout mesh, or multi-turn episodes) over a donated train state
 
 Nothing here runs a step; a bad value (a missing column, a prompt set that does not fit)
 fails here, before anything compiles.
@@ -37,7 +40,7 @@ from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config.algo import resolve_logprob_chunk
-from jaxrl.config.plan import plan
+from jaxrl.config.plan import RunPlan, plan
 from jaxrl.data.curriculum import LAG, make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
 from jaxrl.data.tasks.registry import Task, make_task
@@ -47,6 +50,7 @@ from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.hf_io import read_config
 from jaxrl.models.lora import adapter_params
 from jaxrl.perf import format_bytes, memory_limit
+from jaxrl.rl import RewardSet
 from jaxrl.rollout import Sampler, SamplerConfig
 from jaxrl.run.episodes import (
     env_rewards,
@@ -123,15 +127,27 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         task = make_task(cfg.data, seed=cfg.train.seed)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
-    layout, mesh, rollout_layout, rollout_mesh = _meshes(cfg)
-    model, tokenizer = _policy(cfg, run_dir, task, mesh, layout, console, reuse_init)
-    _describe(cfg, model, mesh, layout, rollout_mesh, rollout_layout, console)
     spec = env_spec(cfg, task)  # multi-turn: the environment answering the turns
-    batches, placement = _prompt_batches(cfg, task, tokenizer, spec, mesh, layout, console)
+    layout, mesh, rollout_layout, rollout_mesh = _meshes(cfg)
+    model_path = _model_path(cfg, run_dir, task, mesh, layout, console, reuse_init)
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.path: {e}") from None
     rewards = task.reward_set(tokenizer, task.train_rows)
     if spec is not None:
         rewards = dataclasses.replace(rewards, rewards=[*rewards.rewards,
                                                         *env_rewards(spec, task)])
+    # Decided once, before the weights load and the prompts are tokenized, so a combination
+    # that cannot run is refused first: the fused program's reward callback would run on one
+    # process over the whole batch, and one compiled program cannot wait for environments.
+    run_plan = plan(cfg, env=spec, python_rewards=bool(rewards.python_rewards),
+                    processes=jax.process_count())
+    if run_plan.describe() is not None:
+        console.print(run_plan.describe())
+    model = _load_policy(cfg, model_path, mesh, layout)
+    _describe(cfg, model, mesh, layout, rollout_mesh, rollout_layout, console)
+    batches, placement = _prompt_batches(cfg, task, tokenizer, spec, mesh, layout, console)
     ts = train_state_from_model(
         model, cfg.optim, mesh, layout.train_rules,
         critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None,
@@ -139,39 +155,39 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                                if cfg.algo.loss.entropy_target is not None else None))
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
-    step = _step(cfg, graphdef, nnx.graphdef(ts.model), model.config, tokenizer, task,
-                 rewards, spec, (mesh, layout), (rollout_mesh, rollout_layout), console)
+    step = _step(cfg, run_plan, graphdef, nnx.graphdef(ts.model), model.config, tokenizer, task,
+                 rewards, (mesh, layout), (rollout_mesh, rollout_layout))
     run = Run(cfg, run_dir, mesh, layout, tokenizer, task, model.config, batches, placement,
               step, ref_params, rollout_mesh)
     return run, state
 
 
-def _policy(cfg: ExperimentConfig, run_dir: Path, task: Task, mesh: Mesh, layout: Layout,
-            console: Console, reuse_init: bool) -> tuple[Transformer, PreTrainedTokenizerBase]:
-    """(the policy in the train layout, its tokenizer): `model.path`'s, or a random
-    `model.init` policy saved to <run_dir>/init_model first (module docstring)."""
-    model_path = cfg.model.path
-    if model_path is None:
-        if task.tokenizer is None:
-            raise ConfigError(f"data.task={task.name} brings no tokenizer or model: set "
-                              f"model.path to a local HF model directory")
-        model_path = run_dir / INIT_MODEL_DIR
-        if not (reuse_init and broadcast((model_path / "config.json").is_file())):
-            init_model(cfg, task.tokenizer(), model_path, mesh, layout)
-            console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to "
-                          f"{model_path}")
-    try:
-        tokenizer = load_tokenizer(model_path)
-    except FileNotFoundError as e:
-        raise ConfigError(f"model.path: {e}") from None
+def _model_path(cfg: ExperimentConfig, run_dir: Path, task: Task, mesh: Mesh, layout: Layout,
+                console: Console, reuse_init: bool) -> Path:
+    """The policy's HF directory: `model.path`, or a random `model.init` policy saved with
+    the task's tokenizer to <run_dir>/init_model first (module docstring)."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    if task.tokenizer is None:
+        raise ConfigError(f"data.task={task.name} brings no tokenizer or model: set "
+                          f"model.path to a local HF model directory")
+    model_path = run_dir / INIT_MODEL_DIR
+    if not (reuse_init and broadcast((model_path / "config.json").is_file())):
+        init_model(cfg, task.tokenizer(), model_path, mesh, layout)
+        console.print(f"[bold]policy[/]: random {cfg.model.init.family} saved to {model_path}")
+    return model_path
+
+
+def _load_policy(cfg: ExperimentConfig, model_path: Path, mesh: Mesh, layout: Layout
+                 ) -> Transformer:
+    """The policy loaded from `model_path` straight into the train layout."""
     if cfg.model.lora is not None:
         _check_lora_fits(cfg, model_path, mesh)
-    model = from_pretrained(model_path, dtype=cfg.model.dtype,
-                            compute_dtype=cfg.model.compute_dtype, mesh=mesh,
-                            rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
-                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
-                            lora=cfg.model.lora)
-    return model, tokenizer
+    return from_pretrained(model_path, dtype=cfg.model.dtype,
+                           compute_dtype=cfg.model.compute_dtype, mesh=mesh,
+                           rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
+                           attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
+                           lora=cfg.model.lora)
 
 
 def _describe(cfg: ExperimentConfig, model: Transformer, mesh: Mesh, layout: Layout,
@@ -241,11 +257,10 @@ def _prompt_batches(cfg: ExperimentConfig, task: Task, tokenizer: PreTrainedToke
     return batches, placement
 
 
-def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.GraphDef,
-          model_config: ModelConfig,
-          tokenizer: PreTrainedTokenizerBase, task: Task, rewards, spec: str | None,
-          train: tuple[Mesh, Layout], rollout: tuple[Mesh | None, Layout], console: Console,
-          ) -> Step:
+def _step(cfg: ExperimentConfig, run_plan: RunPlan, graphdef: nnx.GraphDef,
+          model_graphdef: nnx.GraphDef, model_config: ModelConfig,
+          tokenizer: PreTrainedTokenizerBase, task: Task, rewards: RewardSet,
+          train: tuple[Mesh, Layout], rollout: tuple[Mesh | None, Layout]) -> Step:
     """The run's step: the learner, with the rollout source of the run's plan."""
     (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
     sampler_config = SamplerConfig.of(
@@ -255,21 +270,15 @@ def _step(cfg: ExperimentConfig, graphdef: nnx.GraphDef, model_graphdef: nnx.Gra
                       rules=rollout_layout.rollout_rules)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
         cfg.algo.logprob_chunk_size, model_config.vocab_size))
-    # Decided once: the fused program's reward callback would run on one process over the
-    # whole batch, and one compiled program cannot wait for environments (`plan`).
-    run_plan = plan(cfg, env=spec, python_rewards=bool(rewards.python_rewards),
-                    processes=jax.process_count())
-    if run_plan.describe() is not None:
-        console.print(run_plan.describe())
-    if spec is not None:
+    if run_plan.env is not None:
         source: RolloutSource = EpisodeRollouts(
-            sampler, make_episodes(cfg, spec, task, tokenizer, stop_token_ids(
+            sampler, make_episodes(cfg, run_plan.env, task, tokenizer, stop_token_ids(
                 tokenizer, model_config, ())),
             env_rewards=any(r.name == "env" for r in rewards.rewards))
     elif run_plan.mode == "async":
         source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_layout.rollout_rules),
                                 max_staleness=algo.max_staleness,
-                                inflight_updates=cfg.rollout.inflight_updates)
+                                inflight_updates=run_plan.inflight)
     else:
         source = InGraph(sampler) if run_plan.mode == "fused" else Jitted(sampler)
     return Step(algo, graphdef, source, rewards, optim=cfg.optim, mesh=mesh,

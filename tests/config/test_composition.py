@@ -4,7 +4,8 @@ and docs/composition.md shows the same table the code computes.
 
 Here (fast tier): the docs' table is the computed one, every refusal names what to use, and
 every refused one-process cell is refused by `jaxrl train` itself (in process: it stops at
-planning, before anything compiles), with exit status 2 and its message. The cells that run,
+planning, before the policy's weights load and the prompts are tokenized), with exit status 2
+and its message. The cells that run,
 and the two-process cells, run as `jaxrl` processes in tests/config/test_composition_runs.py
 (process tier).
 """
@@ -38,7 +39,10 @@ def test_every_cell_is_covered_and_every_refusal_names_what_to_use():
 def test_a_refused_one_process_cell_is_refused_by_jaxrl_train(cell, tmp_path, capsys):
     status = main(["train", str(ROOT / "configs" / config_name(cell)),
                    f"train.run_dir={tmp_path / 'run'}", "train.max_steps=3", *overrides(cell)])
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err  # the run's console is stderr
     assert status == 2, (cell.name, err[-2000:])
     assert " ".join(refusal(cell).split()) in " ".join(err.split()), (cell.name, err[-2000:])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # refused when planned, before the run loads the weights ("policy: <type>, N parameters")
+    # or tokenizes the prompts ("data: task ..."): a config error costs seconds, not a load
+    assert " parameters (" not in err and "data: task" not in err, (cell.name, err[-2000:])

@@ -5,7 +5,8 @@ devices, and each two-process cell that runs trains 3 steps through
 two-process cells, one per distinct refusal (4) is launched the same way and must exit with
 status 2 and its message; every refused cell's message is computed by loading its config and
 planning it for 2 processes (`composition.refusal`, the same `plan` the run calls; checked
-in the fast tier, tests/config/test_composition.py), and a launch costs ~25-45 s here.
+in the fast tier, tests/config/test_composition.py); a run plans before it loads the
+weights, but a launch still costs seconds (jax.distributed, the random policy).
 
 A cell that trains must leave 3 metric records (steps 0, 1, 2) whose policy loss and gradient
 norm are finite. Each run is its own process: 32 trainings in one pytest worker once aborted
@@ -66,6 +67,9 @@ def _check(cell: Cell, result: subprocess.CompletedProcess, run_dir: Path) -> No
         assert result.returncode == 2, (cell.name, result.stderr[-3000:])
         assert " ".join(why.split()) in " ".join(result.stderr.split()), cell.name
         assert not (run_dir / "metrics.jsonl").exists()
+        # refused when planned: before the weights load and the prompts are tokenized
+        assert " parameters (" not in result.stderr and "data: task" not in result.stderr, (
+            cell.name, result.stderr[-3000:])
         return
     assert result.returncode == 0, (cell.name, result.stdout[-1000:], result.stderr[-3000:])
     records = read_metrics(run_dir / "metrics.jsonl")
