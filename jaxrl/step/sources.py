@@ -113,6 +113,18 @@ class RolloutSource:
         return self._compiled.get(name, jitted)
 
 
+def traced_rollout(source: RolloutSource, state: nnx.State, prompts: Prompts,
+                   fields_P: dict[str, jax.Array], rows_P: jax.Array, key: jax.Array
+                   ) -> tuple[Rollout, RewardInputs]:
+    """(traced) `generate_traced` from the policy inside the train `state`, under the train
+    rules of the step `source` is bound to (the sampler switches to its rollout rules)."""
+    step = source.step
+    with step.rules_context():
+        model = nnx.merge(step.graphdef, state).model
+        return generate_traced(source.sampler, step.clock, nnx.state(model), prompts,
+                               fields_P, rows_P, key)
+
+
 class InGraph(RolloutSource):
     """Fused mode: the rollout is part of the step's one program (`traced`)."""
 
@@ -120,22 +132,16 @@ class InGraph(RolloutSource):
 
     def traced(self, state: nnx.State, prompts: Prompts, fields_P: dict[str, jax.Array],
                rows_P: jax.Array, key: jax.Array) -> tuple[Rollout, RewardInputs]:
-        step = self.step
-        with step.rules_context():
-            model = nnx.merge(step.graphdef, state).model
-            return generate_traced(self.sampler, step.clock, nnx.state(model), prompts,
-                                   fields_P, rows_P, key)
+        return traced_rollout(self, state, prompts, fields_P, rows_P, key)
 
 
-class Jitted(InGraph):
+class Jitted(RolloutSource):
     """Split mode: the rollout is its own jitted program (`generate`), sharing the device
     buffers with the train program; the host scores Python rewards between the two."""
 
-    in_graph = False
-
     def use_sampler(self, sampler: Sampler) -> None:
         super().use_sampler(sampler)
-        self._generate = jax.jit(functools.partial(Jitted.traced, self))
+        self._generate = jax.jit(functools.partial(traced_rollout, self))
 
     @property
     def programs(self) -> tuple[Callable[..., Any], ...]:
