@@ -30,21 +30,12 @@ import tests.conftest  # noqa: E402, F401  (the tests' environment, before jax s
 from tests.golden.runs import (  # noqa: E402
     EXCLUDED,
     RUNS,
+    cpu,
     differences,
     golden_path,
     load_golden,
     train,
 )
-
-
-def _cpu() -> str:
-    """The CPU's model name (XLA's CPU kernels, hence fp32 roundoff, depend on it)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def record(name: str) -> Path:
@@ -61,7 +52,7 @@ def record(name: str) -> Path:
                    "8 CPU devices (tests/conftest.py, jaxrl.cli.main in process)",
         "recorded_with": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
                           "python": platform.python_version(), "machine": platform.machine(),
-                          "cpu": _cpu()},
+                          "cpu": cpu()},
         # Their values are null in "steps": the key was written, its value is not compared.
         "excluded": EXCLUDED,
         "steps": records,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,28 @@ def train(name: str, run_dir: Path) -> list[dict]:
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     return [{k: None if excluded(k) else v for k, v in r.items()} for r in records]
+
+
+# The vector features XLA:CPU generates its kernels for: fp32 sums of another width round
+# differently, so a golden holds only on a CPU with the same ones.
+_VECTOR_FLAGS = ("sse4_2", "avx", "f16c", "fma", "avx2", "avx512f", "avx512bw", "avx512vl",
+                 "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
+def cpu() -> str:
+    """This machine's CPU as a golden's recorded_with.cpu names it: model name, family and
+    model, and its vector features (`_VECTOR_FLAGS`), e.g. 'AMD EPYC (family 23, model 1;
+    sse4_2 avx f16c fma avx2)'."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            first = f.read().split("\n\n", 1)[0]  # the first logical CPU's fields
+    except OSError:
+        return platform.processor()
+    fields = dict((k.strip(), v.strip()) for k, _, v in
+                  (line.partition(":") for line in first.splitlines()))
+    flags = set(fields.get("flags", "").split())
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}; {' '.join(f for f in _VECTOR_FLAGS if f in flags)})")
 
 
 def golden_path(name: str) -> Path:
