@@ -1,7 +1,9 @@
 """Every cell of the composition matrix (docs/composition.md) as `jaxrl` processes (process
 tier): each one-process cell that runs trains 3 steps as its own `jaxrl train` on 8 fake CPU
 devices, and each two-process cell that runs trains 3 steps through
-`launch/local_multiprocess.sh 2` (2 processes x 4 devices, gloo). Of the 40 refused
+`launch/local_multiprocess.sh 2` (gloo; 2 processes x 2 devices, or x 4 for the async cells,
+whose rollout takes 4 devices of its own). Every process compiles with LLVM's cheap settings
+(tests/launch_env.py: these cells check that a combination trains, not its numbers). Of the 40 refused
 two-process cells, one per distinct refusal (4) is launched the same way and must exit with
 status 2 and its message; every refused cell's message is computed by loading its config and
 planning it for 2 processes (`composition.refusal`, the same `plan` the run calls; checked
@@ -25,6 +27,7 @@ import pytest
 
 from jaxrl.config.composition import Cell, cells, config_name, overrides, refusal
 from jaxrl.run.metrics_log import read_metrics
+from tests.launch_env import FAST_COMPILE, SMALL
 
 pytestmark = pytest.mark.process
 
@@ -56,8 +59,9 @@ def _argv(cell: Cell, run_dir: Path) -> list[str]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    # this tree's jaxrl, whatever is installed; XLA_FLAGS as tests/conftest.py set them
-    return dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    # this tree's jaxrl, whatever is installed; XLA_FLAGS as tests/conftest.py set them, and cheap
+    return dict(os.environ, PYTHONPATH=str(ROOT),
+                XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {FAST_COMPILE}", **extra)
 
 
 def _check(cell: Cell, result: subprocess.CompletedProcess, run_dir: Path) -> None:
@@ -90,8 +94,10 @@ def test_a_one_process_cell_trains_three_steps(cell, tmp_path):
 @pytest.mark.parametrize("cell", TWO_PROCESSES, ids=lambda c: c.name)
 def test_a_two_process_cell_trains_three_steps_or_is_refused(cell, tmp_path):
     run_dir = tmp_path / "run"
+    devices = {} if cell.mode.startswith("async") else SMALL
     result = subprocess.run(
         [str(ROOT / "launch" / "local_multiprocess.sh"), "2", *_argv(cell, run_dir)],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S,
-        env=_env(JAXRL_BIN=JAXRL, JAXRL_LOG_DIR=str(tmp_path / "logs"), JAXRL_GRACE_S="30"))
+        env=_env(JAXRL_BIN=JAXRL, JAXRL_LOG_DIR=str(tmp_path / "logs"), JAXRL_GRACE_S="30",
+                 **devices))
     _check(cell, result, run_dir)

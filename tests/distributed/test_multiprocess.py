@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.run.metrics_log import read_metrics
+from tests.launch_env import FAST_COMPILE, SMALL
 
 pytestmark = pytest.mark.process  # each test starts several `jaxrl` processes
 
@@ -35,17 +36,13 @@ RUN = ["sharding.layout=fsdp", "train.max_steps=3", "train.checkpoint_every=2",
        "log.tensorboard=false", "log.print_every=1"]
 TIMING = ("time/", "perf/tokens_per_s", "perf/mfu", "perf/hfu")
 TIMEOUT_S = 400
-# The tests that are not about 2 x 4 == 1 x 8 run on 4 devices in all (2 per process) with
-# one update per step: gloo's TCP collectives (~2 s per quickstart step on 8 devices) and the
-# threads of more devices cost this 2-core machine most of a multi-process test's time.
-SMALL = {"JAXRL_CPU_DEVICES": "4"}
+# The tests that are not about 2 x 4 == 1 x 8 run on 4 devices in all (SMALL, 2 per process)
+# with one update per step.
 LONG_RUN = ["train.max_steps=100000", "algo.num_minibatches=1"]
 
 
-# Every process of these tests compiles its programs (~40% of a launch's CPU time here);
-# LLVM's cheap settings nearly halve that and leave the step time as it is (gloo-bound).
-# Both sides of every comparison run with them.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Every process of these tests compiles its programs (~40% of a launch's CPU time here):
+# FAST_COMPILE; both sides of every comparison run with it.
 
 
 def _env(log_dir: Path) -> dict[str, str]:
