@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from jaxrl.models.hf_io import CheckpointError
 
@@ -41,6 +41,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             saved = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
             if saved in _GENERIC_CLASSES:
                 return PreTrainedTokenizerFast.from_pretrained(str(path))
+        # Imported here: AutoTokenizer's module imports transformers' model configuration,
+        # which imports torch whenever it is installed (seconds of every command's start).
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
         # A corrupted tokenizer.json raises the tokenizers library's Exception (a ValueError

@@ -27,8 +27,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from math_verify import parse, verify
-
 TIMEOUT_S = 5  # per math_verify call, on the main thread
 BOX_OPEN = "\\boxed{"
 # A comma between digits that is followed by exactly three digits: "1,234" but not "1,23".
@@ -85,6 +83,10 @@ def equal(gold: str, answer: str | None) -> float:
     """1.0 if math_verify finds `answer` equal to `gold`, else 0.0 (0.0 for no answer)."""
     if answer is None:
         return 0.0
+    # Imported at the first check: math_verify imports sympy (~1 s of every command's start,
+    # most of which never check a math answer).
+    from math_verify import parse, verify
+
     timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     gold_parsed = parse(f"{BOX_OPEN}{gold}}}", parsing_timeout=timeout)
     answer_parsed = parse(f"{BOX_OPEN}{answer}}}", parsing_timeout=timeout)
