@@ -3,6 +3,7 @@ does nothing special, in a single process).
 
     is_main()                    process 0: the one that logs, prints and writes run files
     sync(name)                   every process waits here until all have arrived
+    wait_for_all(name)           the same without a collective, for a far apart arrival
     broadcast(obj)               process 0's JSON-able value, on every process
     is_lost_peer(e)              whether an error is a collective's whose peer went away
     local_rows(x_BxN)            the leading-axis rows of a global array held by this process
@@ -24,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from orbax.checkpoint import multihost
 
 
 def is_main() -> bool:
@@ -35,6 +37,17 @@ def sync(name: str) -> None:
     """A barrier across processes (a no-op in a single process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def wait_for_all(name: str, timeout_s: float = 3600.0) -> None:
+    """Every process waits here until all have arrived, through the coordination service:
+    no collective, unlike `sync`, so nothing to compile and no gloo rendezvous (which gives
+    up after 30 s). For a point one process may reach minutes after another: on CPU only
+    process 0 reads programs from the persistent compilation cache (docs/testing.md, "The
+    compilation cache"), the others compile them. A no-op in a single process; a process
+    that died ends the wait with the coordination service's error."""
+    if jax.process_count() > 1:
+        multihost.get_barrier_sync_fn()(key=name, timeout_ms=int(timeout_s * 1000))
 
 
 def broadcast(obj: Any) -> Any:

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
+from jaxrl.distributed.host import wait_for_all
 from jaxrl.perf import (
     MemoryFitError,
     MemoryReport,
@@ -135,6 +136,9 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
     except ValueError as e:  # an accelerator missing from the table: no MFU, still train
         peak = None
         console.print(f"[yellow]peak[/]: unknown, no MFU/HFU: {e}")
+    # The first step's collectives wait for a process still compiling only 30 s (gloo):
+    # every process has its programs before any goes on.
+    wait_for_all("jaxrl: step programs compiled")
     return Preflight(memory, accounting, peak, run.num_devices, device.device_kind, compile_s,
                      count_s)
 
