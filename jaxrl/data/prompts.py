@@ -34,7 +34,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from jaxrl.data.curriculum import EpochSampler, PromptSampler
-from jaxrl.data.sources import describe, load_rows, require_columns
+from jaxrl.data.sources import column, describe, load_rows, require_columns
 from jaxrl.data.tokenizer import encode_prompts, pad_token_id
 
 _CHUNK = 256  # prompts per encode_prompts call: bounds the padded scratch array
@@ -107,7 +107,7 @@ class PromptSource:
     def build(self, tokenizer: PreTrainedTokenizerBase) -> PromptBatches:
         """Load, tokenize every prompt once, drop (and count) the too-long ones, batch."""
         rows = self.load()
-        texts = list(rows[self.prompt_column])
+        texts = column(rows, self.prompt_column)
         for row, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"prompt column {self.prompt_column!r} must hold strings; "
@@ -125,7 +125,7 @@ class PromptSource:
                              f"usable prompts ({num_dropped} of {len(texts)} dropped as longer "
                              f"than max_prompt_len={self.max_prompt_len})")
         kept_rows = rows.select(kept_N)
-        fields = {c: list(kept_rows[c]) for c in self.field_columns}
+        fields = {c: column(kept_rows, c) for c in self.field_columns}
         stats = PromptStats(num_rows=len(texts), num_prompts=len(kept_N),
                             num_dropped=num_dropped, longest=int(lengths[kept_N].max()))
         return PromptBatches(ids_NxP, mask_NxP, kept_N.astype(np.int64), fields,

@@ -85,6 +85,12 @@ def require_columns(rows: datasets.Dataset, columns: Mapping[str, str], what: st
                              f"{rows.column_names}")
 
 
+def column(rows: datasets.Dataset, name: str) -> list:
+    """A column's values as a list, in one Arrow conversion: iterating `rows[name]` converts
+    row by row (20,000 quickstart prompts: 0.6 s against 5 ms; datasets 4's `Column`)."""
+    return rows[name][:]
+
+
 def _looks_like_path(source: str) -> bool:
     return Path(source).suffix.lower() in FILE_FORMATS or source.startswith(("/", ".", "~"))
 

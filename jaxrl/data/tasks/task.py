@@ -27,6 +27,7 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from jaxrl.data.sources import column
 from jaxrl.data.tokenizer import decode_completions
 from jaxrl.rl.rewards import Reward, RewardSet
 
@@ -49,7 +50,7 @@ class Task:
     def reward_set(self, tokenizer: PreTrainedTokenizerBase,
                    rows: datasets.Dataset) -> RewardSet:
         """The task's rewards; Python ones see decoded text and the fields of `rows`' rows."""
-        columns = {c: list(rows[c]) for c in self.field_columns}
+        columns = {c: column(rows, c) for c in self.field_columns}
 
         def host_fields(rows_B: np.ndarray) -> list[dict[str, Any]]:
             return [{c: values[int(r)] for c, values in columns.items()} for r in rows_B]
