@@ -72,13 +72,34 @@ def tiny_config():
     return make_tiny_config
 
 
+# The slowest tests of the process and learning tiers (minutes each on a 2-core machine), in
+# the order they start: xdist hands tests out in collection order, so a slow test collected
+# last runs alone at the end while the other worker idles. Whole modules move, so a module's
+# tests stay together (their module-scoped fixtures are set up once per worker).
+SLOW_FIRST = (
+    "tests/run/test_golden_metrics.py",  # learning: the whole quickstart, 3,000 steps
+    "tests/commands/test_train.py",  # learning: LoRA on the 300-step base
+    "tests/launch/test_slurm.py",  # process: a job stopped and requeued three times
+    "tests/test_docs.py",
+    "tests/config/test_composition_runs.py",
+    "tests/distributed/test_multiprocess.py",
+)
+
+
+def _slow_rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test belongs to one tier at most: with two it would run in both tiers' CI runs."""
+    """A test belongs to one tier at most: with two it would run in both tiers' CI runs.
+    The slowest modules go first (SLOW_FIRST); the rest keep pytest's order."""
     for item in items:
         tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
         if len(tiers) > 1:
             raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(tiers)}: a test "
                                     f"belongs to one tier at most (one of {', '.join(TIERS)})")
+    items.sort(key=_slow_rank)  # stable: within a module, and among the rest, pytest's order
 
 
 def pytest_runtest_logreport(report):

@@ -20,7 +20,7 @@ QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 LEARNING_STEPS = 100
 
 
-LORA_BASE_STEPS, LORA_STEPS = 300, 1300
+LORA_BASE_STEPS, LORA_STEPS = 300, 2000
 QUIET = ["eval.num_prompts=0", "log.plot=false", "log.tensorboard=false",
          "perf.count_flops=false", "train.checkpoint_every=0", "log.print_every=100"]
 
@@ -106,14 +106,18 @@ def test_quickstart_learns_with_lora_rank_8(quickstart_base, tmp_path):
     layer is frozen (benchmarks/README.md). So full fine-tuning first trains the base for
     300 steps (`quickstart_base`: reward ~0.55, below 0.6: most of the learning is left),
     then LoRA (rank 8, alpha 16, every projection, lr 1.5e-3; base frozen) trains on.
-    Measured with these settings: the 20-step mean reached 0.8 at LoRA step 934 of 1,300
-    (the mean of the last 5% of steps 0.82); full fine-tuning is bit-for-bit repeatable on
-    CPU, and the base's evaluation and logging do not touch its training."""
+    Measured with these settings (seed 0), on the CPU the goldens name: the 20-step mean
+    reached 0.8 at LoRA step 1,607 of 2,000 (best 0.85). The run is bit-for-bit repeatable on
+    one CPU but its fp32 roundoff differs between CPUs, and so does the step the slow climb
+    crosses 0.8: on the earlier machine it was step 934 of a 1,300-step run, on this one the
+    1,300-step run ended at 0.746 still climbing, hence 2,000 steps (its cosine decay
+    stretched with it). The base's evaluation and logging do not touch its training."""
     _, base, _ = quickstart_base
     lora, lora_log = _train(tmp_path / "lora", *QUIET, f"model.path={base['final_model']}",
                             "model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1.5e-3",
                             f"optim.total_steps={LORA_STEPS * 16}",
-                            f"train.max_steps={LORA_STEPS}", "train.save_final=false")
+                            f"train.max_steps={LORA_STEPS}", "train.save_final=false",
+                            timeout=2400)  # ~12 min on a loaded 2-core machine
     records = read_metrics(tmp_path / "lora" / "metrics.jsonl")
     start = sum(r["reward/mean"] for r in records[:20]) / 20
     assert start < 0.6, start  # LoRA starts where full fine-tuning left the base
