@@ -18,7 +18,8 @@ right after reading the config. Which processes form the run:
     none       otherwise: one process over the local devices, no initialize.
 
 `distributed.auto: false` turns the SLURM and TPU detection off (an `srun` that starts one
-independent jaxrl per task on purpose, say). On CPU the processes' collectives go over gloo (TCP).
+independent jaxrl per task on purpose, say). On CPU the processes' collectives go over gloo (TCP),
+and each process keeps its own programs in JAX's persistent compilation cache (`cpu_cache`).
 
 When a process dies, the others learn it from the coordinator's health checks within
 `distributed.heartbeat_timeout_s` and exit with JAX's "another task died" error instead of
@@ -33,6 +34,7 @@ from typing import Literal
 
 import jax
 
+from jaxrl.distributed.cpu_cache import write_every_cpu_process
 from jaxrl.distributed.settings import DistributedSection, is_address
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
@@ -153,4 +155,5 @@ def initialize(section: DistributedSection, *, preemption: bool = True) -> How:
                                    **timeouts)
     else:
         jax.distributed.initialize(**timeouts)  # JAX reads the SLURM / TPU environment
+    write_every_cpu_process()  # on CPU each process caches its own programs (`cpu_cache`)
     return how
