@@ -73,12 +73,21 @@ def tiny_config():
 
 
 # The slowest tests of the process and learning tiers (minutes each on a 2-core machine), in
-# the order they start: xdist hands tests out in collection order, so a slow test collected
-# last runs alone at the end while the other worker idles. Whole modules move, so a module's
-# tests stay together (their module-scoped fixtures are set up once per worker).
+# the order they start: xdist hands tests out in collection order (two to each worker, then
+# one more to whichever has fewer than two left), so a slow test collected last runs alone at
+# the end while the other worker idles. In the learning tier one worker gets PPO (~4 min
+# here) and the whole quickstart's golden (~13 min), the other LoRA with the base it trains
+# (~12 min) and staleness 2 (~8 min); the first, free sooner of its short test, takes the
+# tool task and the base's own test. In the process tier whole
+# modules move, so a module's tests stay together (their module-scoped fixtures are set up
+# once per worker). An entry is a node id or its prefix.
 SLOW_FIRST = (
-    "tests/run/test_golden_metrics.py",  # learning: the whole quickstart, 3,000 steps
-    "tests/commands/test_train.py",  # learning: LoRA on the 300-step base
+    "tests/commands/test_train.py::test_quickstart_learns_with_ppo_and_a_critic",
+    "tests/run/test_golden_metrics.py::test_metrics_equal_the_golden_ones[quickstart_full]",
+    "tests/commands/test_train.py::test_quickstart_learns_with_lora_rank_8",
+    "tests/run/test_async_run.py::test_staleness_two_learns_the_quickstart_task",
+    "tests/run/test_multiturn_run.py::test_tool_task_learns_to_call_the_calculator",
+    "tests/run/test_golden_metrics.py",
     "tests/launch/test_slurm.py",  # process: a job stopped and requeued three times
     "tests/test_docs.py",
     "tests/config/test_composition_runs.py",
@@ -87,8 +96,8 @@ SLOW_FIRST = (
 
 
 def _slow_rank(item) -> int:
-    path = item.nodeid.split("::")[0]
-    return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
+    return next((rank for rank, prefix in enumerate(SLOW_FIRST)
+                 if item.nodeid.startswith(prefix)), len(SLOW_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
