@@ -78,9 +78,9 @@ def tiny_config():
 # the end while the other worker idles. In the learning tier one worker gets PPO (~4 min
 # here) and the whole quickstart's golden (~13 min), the other LoRA with the base it trains
 # (~12 min) and staleness 2 (~8 min); the first, free sooner of its short test, takes the
-# tool task and the base's own test. In the process tier whole
-# modules move, so a module's tests stay together (their module-scoped fixtures are set up
-# once per worker). An entry is a node id or its prefix.
+# tool task and the base's own test. In the process tier whole modules move, so a module's
+# tests stay together (their module-scoped fixtures are set up once per worker). An entry is
+# a node id or its prefix.
 SLOW_FIRST = (
     "tests/commands/test_train.py::test_quickstart_learns_with_ppo_and_a_critic",
     "tests/run/test_golden_metrics.py::test_metrics_equal_the_golden_ones[quickstart_full]",
@@ -102,7 +102,7 @@ def _slow_rank(item) -> int:
 
 def pytest_collection_modifyitems(config, items):
     """A test belongs to one tier at most: with two it would run in both tiers' CI runs.
-    The slowest modules go first (SLOW_FIRST); the rest keep pytest's order."""
+    The slowest tests go first (SLOW_FIRST); the rest keep pytest's order."""
     for item in items:
         tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
         if len(tiers) > 1:

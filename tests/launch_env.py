@@ -11,5 +11,14 @@ SMALL: 4 fake devices in all (2 per process of a two-process run): gloo's TCP co
 2-core machine most of a multi-process test's time.
 """
 
+import socket
+
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SMALL = {"JAXRL_CPU_DEVICES": "4"}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a coordinator's, a server's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

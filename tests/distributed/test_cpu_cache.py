@@ -4,12 +4,13 @@ only process 0 writes, and the cache key of process 1's programs differs from pr
 so process 1 compiled everything again on every run."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.launch_env import free_port
 
 pytestmark = pytest.mark.process  # starts Python processes that import jaxrl
 
@@ -32,19 +33,13 @@ assert jax.jit(lambda x: x * 2 + 1)(np.arange(4.0)).tolist() == [1.0, 3.0, 5.0, 
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(cache: Path, script: Path) -> list[str]:
     """Both processes' stderr (JAX logs each cache hit and miss)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device each
     env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1",
                JAX_EXPLAIN_CACHE_MISSES="1", PYTHONPATH=str(ROOT))
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     processes = [subprocess.Popen([sys.executable, str(script), address, str(i)], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in range(2)]

@@ -11,7 +11,6 @@ product, never XLA's matrix-vector path (`slot_count.max_concurrent_decodes`).
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +20,18 @@ import numpy as np
 import pytest
 
 from tests.distributed import engine_rows
+from tests.launch_env import free_port
 
 pytestmark = pytest.mark.process  # two processes join over jax.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_two_processes(out: Path) -> list[subprocess.Popen]:
     """`python -m tests.distributed.engine_rows` as 2 processes x 4 CPU devices."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",
                PYTHONPATH=str(ROOT))
     return [subprocess.Popen([sys.executable, "-m", "tests.distributed.engine_rows", str(out)],
                              cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)},

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.run.metrics_log import read_metrics
-from tests.launch_env import FAST_COMPILE, SMALL
+from tests.launch_env import FAST_COMPILE, SMALL, free_port
 
 pytestmark = pytest.mark.process  # each test starts several `jaxrl` processes
 
@@ -139,16 +138,10 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs, tmp_path):
         assert _params_hash(resumed) == _params_hash(one)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_dead_process_ends_the_others_with_an_error(tmp_path):
     """SIGKILL one of two processes mid-run: the other must not wait forever in a collective;
     the coordinator's health check ends it within distributed.heartbeat_timeout_s."""
-    heartbeat_s, port = 10, _free_port()
+    heartbeat_s, port = 10, free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=2",

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from tests.distributed.test_multiprocess import (
     _metrics,
     _params_hash,
 )
+from tests.launch_env import free_port
 
 pytestmark = pytest.mark.process  # a SLURM cluster and jobs of several jaxrl processes
 
@@ -77,12 +77,6 @@ def cluster():
         shutil.rmtree(state, ignore_errors=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm(conf: str, *args: str) -> str:
     """A SLURM client command against the module's cluster; its stdout."""
     proc = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": conf},
@@ -109,7 +103,7 @@ def _sbatch(conf: str, log: Path, *args: str, devices: int = 4, env: dict | None
         # This venv when it is one, else the jaxrl beside this Python (first on PATH).
         "VENV": str(venv) if (venv / "bin" / "activate").exists() else "",
         # A free port, not the one derived from the job id that another cluster may be using.
-        "JAX_COORDINATOR_PORT": str(_free_port()),
+        "JAX_COORDINATOR_PORT": str(free_port()),
         **(env or {}),
     }
     cmd = ["sbatch", "--parsable", f"--output={log}", *TASKS, *sbatch, str(SLURM), *args]
@@ -178,7 +172,7 @@ def test_two_tasks_give_the_metrics_and_parameters_of_one_process(cluster, one_p
     """sbatch --ntasks=2: one 8-device program over the 2 tasks (jax.distributed from SLURM's
     environment), with the metrics and final parameters of 1 process x 8 devices."""
     log, run = tmp_path / "job.out", tmp_path / "slurm"
-    port = str(_free_port())
+    port = str(free_port())
     job = _sbatch(cluster, log, QUICKSTART, *RUN, f"train.run_dir={run}",
                   env={"JAX_COORDINATOR_PORT": port})
     info = _wait_for_end(cluster, job)
