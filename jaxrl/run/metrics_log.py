@@ -22,6 +22,24 @@ from rich.table import Table
 from jaxrl.saved.files import METRICS_FILE, TENSORBOARD_DIR
 
 
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch: where torch is installed,
+    tensorboardX imports it (4 s on a 2-core CPU, every `jaxrl` process) only to accept torch
+    tensors, and a run writes floats. A torch already imported is used as it is."""
+    import sys
+
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 def to_record(step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """{"step": step, name: float(value), ...} with the names sorted (a stable line layout)."""
     if "step" in metrics:
@@ -65,8 +83,7 @@ class MetricsLog:
             tmp.replace(self.path)  # atomic: a crash here leaves the old file or the new one
             self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer()
             # purge_step: TensorBoard hides the events a killed run wrote at or after the
             # step it resumes at (they are written again).
             self._writer = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR),
