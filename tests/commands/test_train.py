@@ -4,6 +4,7 @@ keeps failing stops the run with status 1 and its first error."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,18 @@ from tests.test_shipped_configs import _tiny_model_dir
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 LEARNING_STEPS = 100
+# The shipped quickstart's 20-step mean reward first reached 0.8 at step 963 on the CPU of
+# the earlier goldens (AMD EPYC family 23 model 1, AVX2) and at step 924 on an Intel Xeon
+# (family 6 model 167, AVX-512): its fp32 roundoff differs, and so does the step.
+QUICKSTART_STEPS = 1300
 
 
 LORA_BASE_STEPS, LORA_STEPS = 300, 2000
 QUIET = ["eval.num_prompts=0", "log.plot=false", "log.tensorboard=false",
          "perf.count_flops=false", "train.checkpoint_every=0", "log.print_every=100"]
+# The quickstart base's run: evaluated on 100 held-out prompts at its end, a checkpoint at
+# its end (the full run resumes from it).
+BASE = ["eval.num_prompts=100", "log.print_every=25", f"train.checkpoint_every={LORA_BASE_STEPS}"]
 
 
 def _train(run_dir, *overrides, timeout=1500):
@@ -49,30 +57,42 @@ def quickstart_base(tmp_path_factory, worker_id):
     run_dir, done = shared / "quickstart_base", shared / "quickstart_base.json"
     with FileLock(str(done) + ".lock"):
         if not done.exists():
-            summary, log = _train(run_dir, f"train.max_steps={LORA_BASE_STEPS}",
-                                  "eval.num_prompts=100", "log.print_every=25",
-                                  "train.checkpoint_every=0")
+            summary, log = _train(run_dir, f"train.max_steps={LORA_BASE_STEPS}", *BASE)
             done.write_text(json.dumps({"summary": summary, "log": log}))
     saved = json.loads(done.read_text())
     return run_dir, saved["summary"], saved["log"]
 
 
 @pytest.mark.learning
-def test_quickstart_learns_in_a_few_dozen_steps(quickstart_base):
-    """Deterministic learning test: fixed seed, the reward clearly above step 0's after 100
-    steps (of the 300-step run the LoRA test starts from)."""
-    run_dir, summary, log = quickstart_base
+def test_the_quickstart_learns_to_its_target_reward(quickstart_base, tmp_path):
+    """The shipped quickstart as README runs it (GRPO, full fine-tuning, seed 0, one CPU
+    device): the answer's shape in 100 steps, then the 20-step mean reward reaches its target
+    0.8 within QUICKSTART_STEPS, past the data's first epoch (625 steps of 32 of its 20,000
+    prompts). The run is the base's (its first 300 steps, also the LoRA test's start) resumed
+    from its step-300 checkpoint, which changes no number (tests/run/test_resume.py)."""
+    base_dir, base, base_log = quickstart_base
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_dir, run_dir)
+    summary, log = _train(run_dir, f"train.max_steps={QUICKSTART_STEPS}", *BASE,
+                          "log.print_every=100")
     records = read_metrics(run_dir / "metrics.jsonl")
-    assert len(records) == LORA_BASE_STEPS
+    assert [r["step"] for r in records] == list(range(QUICKSTART_STEPS))
     first = records[0]["reward/mean"]
-    last = sum(r["reward/mean"] for r in records[LEARNING_STEPS - 20:LEARNING_STEPS]) / 20
+    shaped = sum(r["reward/mean"] for r in records[LEARNING_STEPS - 20:LEARNING_STEPS]) / 20
     # Chance is about 0.06 (16 tokens, 4 positions); after 100 steps the policy has at
     # least learned the answer's shape (3 digits, a leading 0 or 1, then EOS).
-    assert first < 0.15 and last > first + 0.2, (first, last)
-    assert summary["step_compilations"] == 1 and summary["steps"] == LORA_BASE_STEPS
-    assert summary["eval/num_prompts"] == 100
-    # Progress lines when stderr is not a terminal.
-    assert f"step {LEARNING_STEPS}/{LORA_BASE_STEPS}" in log
+    assert first < 0.15 and shaped > first + 0.2, (first, shaped)
+    assert summary["target_reached"], (summary["reward_best"], summary["reward_last"])
+    assert records[-1]["data/epoch"] > 2 > records[624]["data/epoch"] >= 0.99, (
+        records[624]["data/epoch"], records[-1]["data/epoch"])
+    # One program, compiled once by each process; the held-out evaluation at each end.
+    assert base["step_compilations"] == summary["step_compilations"] == 1
+    assert base["steps"] == LORA_BASE_STEPS and summary["steps"] == QUICKSTART_STEPS
+    assert base["eval/num_prompts"] == summary["eval/num_prompts"] == 100
+    # Progress lines when stderr is not a terminal; the resume said so.
+    assert f"step {LEARNING_STEPS}/{LORA_BASE_STEPS}" in base_log
+    assert f"step {QUICKSTART_STEPS}/{QUICKSTART_STEPS}" in log
+    assert f"resume: from the checkpoint at step {LORA_BASE_STEPS}" in log
 
 
 @pytest.mark.learning
@@ -106,12 +126,14 @@ def test_quickstart_learns_with_lora_rank_8(quickstart_base, tmp_path):
     layer is frozen (benchmarks/README.md). So full fine-tuning first trains the base for
     300 steps (`quickstart_base`: reward ~0.55, below 0.6: most of the learning is left),
     then LoRA (rank 8, alpha 16, every projection, lr 1.5e-3; base frozen) trains on.
-    Measured with these settings (seed 0), on the CPU the goldens name: the 20-step mean
-    reached 0.8 at LoRA step 1,607 of 2,000 (best 0.85). The run is bit-for-bit repeatable on
-    one CPU but its fp32 roundoff differs between CPUs, and so does the step the slow climb
-    crosses 0.8: on the earlier machine it was step 934 of a 1,300-step run, on this one the
-    1,300-step run ended at 0.746 still climbing, hence 2,000 steps (its cosine decay
-    stretched with it). The base's evaluation and logging do not touch its training."""
+    Measured with these settings (seed 0): the 20-step mean reached 0.8 at LoRA step 1,607
+    of 2,000 on an AMD EPYC (family 23 model 1, AVX2; best 0.85) and at step 1,547 on an Intel
+    Xeon (family 6 model 167, AVX-512; best 0.86, 287 s of training on its 2 idle cores). The
+    run is bit-for-bit repeatable on one CPU but its fp32 roundoff differs between CPUs, and so
+    does the step the slow climb crosses 0.8: on an earlier machine it was step 934 of a
+    1,300-step run, on the AMD one the 1,300-step run ended at 0.746 still climbing, hence
+    2,000 steps (its cosine decay stretched with it). The base's evaluation and logging do not
+    touch its training."""
     _, base, _ = quickstart_base
     lora, lora_log = _train(tmp_path / "lora", *QUIET, f"model.path={base['final_model']}",
                             "model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1.5e-3",
@@ -217,29 +239,22 @@ def test_the_quickstart_fits_an_8_device_host_and_its_first_steps_give_the_recor
                                        err_msg=f"step {step}: {name}")
 
 
-# Custom-task rewards that fail on every sample, each in its own way.
+# A custom-task reward that fails on every sample. What each kind of failure says (raises,
+# NaN, not a number, outside its bounds) is tested where it is found (tests/rl/test_rewards.py);
+# when the failures stop a run and what the stop says, on the guard (tests/run/test_guards.py);
+# data.reward_bounds, on the task (tests/data/tasks/test_registry.py).
 FAILING_REWARDS = """
 def raises(prompt, completion, fields):
     raise RuntimeError(f"reward exploded on {prompt!r}")
-
-def nan(prompt, completion, fields):
-    return float("nan")
-
-def text(prompt, completion, fields):
-    return "high"
-
-def five(prompt, completion, fields):
-    return 5.0
-
-def penalty(prompt, completion, fields):
-    return -0.5 if len(completion) % 2 else 0.5
 """
 
 
 @pytest.fixture(scope="module")
 def custom_task(tmp_path_factory):
     """(the quickstart's overrides for a custom task on a tiny model, the reward module's
-    folder): prompts "a+b=", rewards from the module jaxrl_test_failing_rewards."""
+    folder): prompts "a+b=", rewards from the module jaxrl_test_failing_rewards. Split mode:
+    the Python rewards run between the two programs, so neither holds a host callback and
+    both are read from the compilation cache."""
     tmp = tmp_path_factory.mktemp("custom")
     model = _tiny_model_dir(tmp / "model", "qwen2")
     data = tmp / "sums.jsonl"
@@ -248,62 +263,29 @@ def custom_task(tmp_path_factory):
     (tmp / "jaxrl_test_failing_rewards.py").write_text(FAILING_REWARDS)
     overrides = [f"model.path={model}", "data.task=custom", f"data.source={data}",
                  "data.batch_size=4", "rollout.num_generations=4", "algo.num_minibatches=1",
-                 "eval.num_prompts=0", "train.checkpoint_every=0", "train.save_final=false",
-                 "perf.count_flops=false", "log.plot=false", "log.tensorboard=false"]
+                 "algo.mode=split", "eval.num_prompts=0", "train.checkpoint_every=0",
+                 "train.save_final=false", "perf.count_flops=false", "log.plot=false",
+                 "log.tensorboard=false"]
     return overrides, tmp
 
 
-@pytest.mark.parametrize("name, what", [
-    ("raises", "RuntimeError: reward exploded on '"),
-    ("nan", "returned the non-finite value nan"),
-    ("text", "returned 'high' of type str, not a number"),
-    ("five", "returned 5.0, outside its declared range [0, 1]"),
-])
 def test_a_reward_failing_step_after_step_stops_the_run_with_its_first_error(
-        name, what, custom_task, tmp_path, capsys, monkeypatch):
+        custom_task, tmp_path, capsys, monkeypatch):
     overrides, module_dir = custom_task
     monkeypatch.syspath_prepend(str(module_dir))
     code = main(["train", QUICKSTART, *overrides, f"train.run_dir={tmp_path}",
-                 f"data.reward_fn=jaxrl_test_failing_rewards:{name}", "train.max_steps=6",
+                 "data.reward_fn=jaxrl_test_failing_rewards:raises", "train.max_steps=4",
                  "train.reward_error_steps=2"])
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
     message = " ".join(err[err.index("training stopped:"):].split())  # unwrapped
-    assert "step 1: reward " in message and "failed on 100% of the step's samples" in message
+    assert "step 1: reward 'raises' failed on 100% of the step's samples" in message, message
     for words in ("train.reward_error_frac=0.5", "2 steps in a row",
-                  "train.reward_error_steps=2", f"PythonReward {name!r} on prompt", what):
+                  "train.reward_error_steps=2", "its first error: PythonReward 'raises' on "
+                  "prompt '", "RuntimeError: reward exploded on '"):
         assert words in message, (words, message)
     # Every sample failed, and the steps recorded before the stop are on disk.
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
-    assert all(r["reward/errors"] == r[f"reward/errors/{name}"] == 16 for r in records)
-    assert all(r[f"reward/{name}"] == 0 for r in records)
-
-
-def test_a_run_allowed_to_fail_its_rewards_goes_on_and_counts_them(custom_task, tmp_path,
-                                                                 capsys, monkeypatch):
-    overrides, module_dir = custom_task
-    monkeypatch.syspath_prepend(str(module_dir))
-    # reward_error_frac=1: a fraction of failed samples is never more than that.
-    assert main(["train", QUICKSTART, *overrides, f"train.run_dir={tmp_path}",
-                 "data.reward_fn=jaxrl_test_failing_rewards:raises", "train.max_steps=3",
-                 "train.reward_error_frac=1.0", "train.reward_error_steps=1"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["steps"] == 3 and summary["reward_errors"] == 3 * 16
-
-
-def test_a_reward_with_declared_bounds_may_return_values_beyond_0_1(custom_task, tmp_path,
-                                                                     capsys, monkeypatch):
-    overrides, module_dir = custom_task
-    monkeypatch.syspath_prepend(str(module_dir))
-    run = ["train", QUICKSTART, *overrides, "train.max_steps=2",
-           "data.reward_fn=jaxrl_test_failing_rewards:penalty"]
-    assert main([*run, f"train.run_dir={tmp_path}", "data.reward_bounds=[-1,1]"]) == 0
-    records = read_metrics(tmp_path / "metrics.jsonl")
-    assert all(r["reward/errors"] == 0 for r in records)
-    assert any(r["reward/penalty"] != 0.5 for r in records)  # its -0.5s counted as values
-    capsys.readouterr()
-    assert main([*run, f"train.run_dir={tmp_path / 'bad'}",
-                 "data.reward_bounds=[1,-1]"]) == EXIT_CONFIG_ERROR
-    assert "data.reward_bounds must be two finite numbers [low, high] with low < high" in \
-        capsys.readouterr().err
+    assert all(r["reward/errors"] == r["reward/errors/raises"] == 16 for r in records)
+    assert all(r["reward/raises"] == 0 for r in records)

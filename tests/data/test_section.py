@@ -54,6 +54,8 @@ def test_dataset_tasks_need_a_source_and_custom_a_reward_fn():
     (dict(eval_source="openai/gsm8k"), "name the training rows"),
     (dict(eval_source="openai/gsm8k", subset=None), "name the training rows"),
     (dict(num_prompts=0), "data.num_prompts must be >= 1, got 0"),
+    (dict(reward_bounds=[1, -1]),
+     r"data.reward_bounds must be two finite numbers \[low, high\] with low < high, got"),
 ])
 def test_bad_keys_are_named(keys, message):
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,6 @@
 """Environment builders that break the contract, for `data.env=tests.envs.hostile_envs:NAME`
-(`build(tools_config, tokenizer) -> factory(row) -> env`). Each breaks one thing."""
+(`build(tools_config, tokenizer) -> factory(row) -> env`). Each breaks one thing. (Answers
+that break the contract: tests/envs/test_base.py and tests/step/test_multiturn_rollout.py.)"""
 
 import os
 import time
@@ -67,9 +68,5 @@ def _slow(turn):
 
 
 raising_step = _builder(_raise)
-wrong_type = _builder(lambda turn: {"text": "hi"})
-text_reward = _builder(lambda turn: Observation(done=True, reward="high"))
-nan_reward = _builder(lambda turn: Observation(done=True, reward=float("nan")))
-ids_outside_the_vocabulary = _builder(lambda turn: Observation(ids=[3, 1_000_000]))
 hanging = _builder(_hang)
 slow = _builder(_slow)

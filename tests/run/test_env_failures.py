@@ -1,8 +1,12 @@
-"""A user's environment (`data.env`) that fails or breaks its contract: each ends the run with
-one line naming the `data.env` spec, the row and turn, and the contract broken; exit 2 when
-found before the first step (nothing run, no run directory left), 1 during a step. A hung
-environment is ended by `data.env_timeout_s`, and Ctrl-C / SIGTERM work while environments
-run (the `process` tests, each a real `jaxrl train`)."""
+"""A user's environment (`data.env`) that fails or breaks its contract ends the run with one
+line naming the `data.env` spec, the row and turn, and the contract broken: exit 2 when found
+before the first step (nothing run, no run directory left), 1 during a step; one `jaxrl train`
+of each here. What each failure says is tested where it is found: the builder and the first
+row's factory in tests/run/test_episodes.py, each answer's contract in tests/envs/test_base.py,
+a raising step, a broken answer and a factory failing on a later row in the rollout
+(tests/step/test_multiturn_rollout.py). A hung environment is ended by `data.env_timeout_s`,
+and Ctrl-C / SIGTERM work while environments run (the `process` tests, each a real
+`jaxrl train`)."""
 
 import os
 import signal
@@ -26,28 +30,12 @@ RUN = ["train.max_steps=2", "rollout.max_turns=2", "data.batch_size=4",
 
 
 @pytest.mark.parametrize("env, status, words", [
-    ("raising_builder", EXIT_CONFIG_ERROR,
-     ["the builder raised RuntimeError: no simulator on this host",
-      "expected build(tools_config, tokenizer) -> factory"]),
-    ("raising_factory", EXIT_CONFIG_ERROR,
-     ["dataset row 0", "the factory (row -> Environment) raised KeyError: 'question'"]),
-    ("not_an_env_factory", EXIT_CONFIG_ERROR,
-     ["dataset row 0", "the factory returned a int, which has no step(turn) -> Observation"]),
-    ("factory_failing_after_its_first_row", EXIT_TRAINING_FAILED,
-     ["environment failed", "dataset row", "of the batch)",
-      "the factory (row -> Environment) raised OSError: the simulator pool is exhausted"]),
-    ("raising_step", EXIT_TRAINING_FAILED,
-     ["environment failed", "dataset row", "turn 1",
-      "env.step(turn) raised ValueError: simulator crashed"]),
-    ("wrong_type", EXIT_TRAINING_FAILED,
-     ["turn 1", "env.step(turn) returned a dict; expected a jaxrl.envs.Observation"]),
-    ("text_reward", EXIT_TRAINING_FAILED,
-     ["turn 1", "Observation.reward must be a finite number or None, got 'high'"]),
-    ("nan_reward", EXIT_TRAINING_FAILED,
-     ["turn 1", "Observation.reward must be a finite number or None, got nan"]),
-    ("ids_outside_the_vocabulary", EXIT_TRAINING_FAILED,
-     ["turn 1", "Observation.ids must be token ids in [0, ", "(the model's vocabulary), "
-      "got [1000000]"]),
+    pytest.param("raising_factory", EXIT_CONFIG_ERROR,
+                 ["config error", "dataset row 0 (sample 0 of the batch): the factory "
+                  "(row -> Environment) raised KeyError: 'question'"], id="before_step_0"),
+    pytest.param("raising_step", EXIT_TRAINING_FAILED,
+                 ["environment failed", "dataset row", "of the batch), turn 1: "
+                  "env.step(turn) raised ValueError: simulator crashed"], id="during_a_step"),
 ])
 def test_a_broken_environment_ends_the_run_naming_spec_row_turn_and_contract(
         env, status, words, tmp_path, capsys):

@@ -2,7 +2,9 @@
 observation appended as one chunk equals the full forward and token-by-token decoding; the
 token layout, masks and turn boundaries of a scripted environment; the sampler's log-probs
 equal the trainer's; slots waiting on an environment do not stall the others; the budget and
-turn limits; the same tokens with 1 or 4 slots, and no recompilation on a second call."""
+turn limits; the same tokens with 1 or 4 slots, and no recompilation on a second call; an
+environment that raises, breaks the contract or hangs ends the rollout naming its row and turn
+(`jaxrl.step.multiturn.run_episodes`: and the environment and dataset row, as a run says)."""
 
 import threading
 import time
@@ -16,11 +18,12 @@ from flax import nnx
 from jaxrl.envs.base import EnvFailure, Observation, ToolStats
 from jaxrl.models import PagedKV, Transformer
 from jaxrl.models.config import tiny_config
-from jaxrl.rollout import slots
+from jaxrl.rollout import Prompts, slots
 from jaxrl.rollout.pages import PoolLayout
 from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.settings import EngineConfig, Generation
 from jaxrl.step.forward import completion_log_probs
+from jaxrl.step.multiturn import Episodes, run_episodes
 from jaxrl.step.multiturn_rollout import MultiTurnConfig, jitted_ops, rollout_multiturn
 
 EOS = 2
@@ -291,6 +294,41 @@ def test_a_failing_environment_names_its_row(model):
     mask[0] = False
     with pytest.raises(ValueError, match=r"rows \[0\] have an empty prompt"):
         rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
+
+
+def test_a_run_names_the_environment_and_dataset_row_of_a_failure(model):
+    """`run_episodes`, as a run calls it: prompts of dataset rows 7 and 9, two samples each,
+    the third sample's environment broken. A broken contract (an id past the model's
+    vocabulary of 48) ends the rollout at its turn, named with `data.env` and the sample's
+    dataset row; so does a factory that fails on that sample."""
+    ids, mask = _prompts(PROMPTS[:2])
+    config = turns(2, 12, 4, num_slots=2, chunk_width=8)  # the programs of the test above
+    rows = [{"id": i} for i in range(10)]
+
+    def broken_third(make_bad):
+        made = []
+
+        def make_env(row):
+            made.append(row)
+            return make_bad() if len(made) == 3 else ScriptedEnv([Observation(done=True)])
+        return make_env
+
+    def exhausted():
+        raise OSError("the simulator pool is exhausted")
+
+    where = "data.env='tests:scripted', dataset row 9 (sample 2 of the batch)"
+    for make_bad, message in (
+            (lambda: ScriptedEnv([Observation(ids=[3, 48])]),
+             f"{where}, turn 1: Observation.ids must be token ids in [0, 48) (the model's "
+             f"vocabulary), got [48]"),
+            (exhausted, f"{where}: the factory (row -> Environment) raised OSError: the "
+                        f"simulator pool is exhausted")):
+        episodes = Episodes(broken_third(make_bad), rows, encode, decode, config,
+                            spec="tests:scripted")
+        with pytest.raises(EnvFailure) as info:
+            run_episodes(model, episodes, Prompts(ids, mask), [7, 9], jax.random.key(0), None,
+                         2)
+        assert str(info.value) == message
 
 
 def test_a_huge_text_observation_is_cut_before_it_is_tokenized(model):

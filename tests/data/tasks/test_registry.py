@@ -247,6 +247,25 @@ def test_a_reward_fn_named_format_clashes_with_the_format_reward(problems, tmp_p
         _task("custom", **keys, format_weight=1.0)
 
 
+def test_reward_bounds_are_the_declared_range_of_the_reward_fn(problems, tmp_path, monkeypatch):
+    """data.reward_bounds=[-1, 1]: the reward_fn's -0.5 is a value; with the default [0, 1]
+    the same -0.5 is a failed call (NaN, counted in the errors)."""
+    (tmp_path / "jaxrl_test_penalty_reward.py").write_text(
+        "def penalty(prompt, completion, fields):\n"
+        "    return -0.5 if len(completion) % 2 else 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = dict(source=problems, reward_fn="jaxrl_test_penalty_reward:penalty")
+    tokenizer = make_char_tokenizer(string.printable)
+    inputs = _inputs(tokenizer, ["q0", "q1"], ["odd", "even"], rows=[0, 1])
+    wide = _task("custom", **keys, reward_bounds=[-1, 1])
+    assert [r.bounds for r in wide.rewards(None)] == [(-1.0, 1.0)]
+    values, errors = wide.reward_set(tokenizer, wide.train_rows).score_host(inputs)
+    assert values.tolist() == [[-0.5, 0.5]] and errors.tolist() == [0, 0]
+    default = _task("custom", **keys)
+    values, errors = default.reward_set(tokenizer, default.train_rows).score_host(inputs)
+    assert np.isnan(values[0, 0]) and values[0, 1] == 0.5 and errors.tolist() == [1, 0]
+
+
 def test_reward_set_host_fields_follow_dataset_rows(problems):
     task = _task("gsm8k", source=problems, format_weight=0.5)
     rows = task.train_rows
