@@ -11,6 +11,12 @@ move exactly them (a metric's definition fixed): the run must still give every o
 of the golden (the test's comparison), else nothing is written; the golden's "rerecorded"
 list keeps which keys moved and why.
 
+`--drift [name ...]` writes nothing: it runs them and prints, step by step, the largest
+relative difference from the golden and its key, how many metrics differ, and whether the
+sampled completions still agree. This is how runs.py's REL, ABS and HORIZON were chosen,
+from the drift between two CPUs; measure again on a CPU where only the goldens fail, or
+after re-recording a golden (a new trajectory may part sooner).
+
 Runs in the tests' environment (tests/conftest.py: 8 fake CPU devices, its XLA flags and
 compilation cache), from the repository root: `PYTHONPATH=$PWD python tests/golden/record.py`.
 """
@@ -29,11 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tests.conftest  # noqa: E402, F401  (the tests' environment, before jax starts)
 from tests.golden.runs import (  # noqa: E402
     EXCLUDED,
+    HORIZON,
     RUNS,
     cpu,
     differences,
+    excluded,
     golden_path,
     load_golden,
+    relative,
     train,
 )
 
@@ -91,17 +100,44 @@ def rerecord(name: str, keys: list[str], why: str) -> Path:
     return path
 
 
+def drift(name: str) -> None:
+    """Prints how a new run of `name` differs from its golden, step by step (module
+    docstring)."""
+    golden = load_golden(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        records = train(name, Path(tmp) / "run")
+    print(f"{name}: {len(records)} steps (golden {len(golden['steps'])}); recorded on "
+          f"{golden['recorded_with']['cpu']}, this CPU {cpu()}; horizon "
+          f"{HORIZON.get(name, len(golden['steps']))}", flush=True)
+    for i, (want, got) in enumerate(zip(golden["steps"], records, strict=False)):
+        numbers = [k for k in want.keys() & got.keys() if not excluded(k)
+                   and all(isinstance(v, (int, float)) for v in (want[k], got[k]))]
+        rel = {k: relative(want[k], got[k]) for k in numbers}
+        key = max(rel, key=rel.get)
+        sampled = all(want.get(k) == got.get(k) for k in ("completion/len_mean", "reward/mean"))
+        print(f"  step {want.get('step', i)}: max rel {rel[key]:.1e} ({key}: golden "
+              f"{want[key]!r} got {got[key]!r}); {sum(v > 0 for v in rel.values())} of "
+              f"{len(rel)} differ; completions {'agree' if sampled else 'differ'}", flush=True)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help=f"runs (default all): {', '.join(RUNS)}")
     parser.add_argument("--keys", help="re-record only these comma-separated metric keys")
     parser.add_argument("--why", help="with --keys: the change that moved them")
+    parser.add_argument("--drift", action="store_true",
+                        help="write nothing: print each step's difference from the golden")
     args = parser.parse_args(argv)
     if args.keys and not args.why:
         parser.error("--keys needs --why (kept in the golden beside the keys)")
+    if args.drift and args.keys:
+        parser.error("--drift writes nothing: no --keys")
     for name in args.names or list(RUNS):
         if name not in RUNS:
             parser.error(f"unknown run {name!r}: one of {', '.join(RUNS)}")
+        if args.drift:
+            drift(name)
+            continue
         path = (rerecord(name, args.keys.split(","), args.why) if args.keys
                 else record(name))
         print(f"{name}: {path}", flush=True)
