@@ -22,7 +22,7 @@ import itertools
 
 from jaxrl.config.experiment import ExperimentConfig
 from jaxrl.config.load import load_config, shipped_config
-from jaxrl.config.plan import plan
+from jaxrl.config.plan import RunPlan, plan
 from jaxrl.config_base import ConfigError
 
 AXES: dict[str, tuple] = {
@@ -34,9 +34,9 @@ AXES: dict[str, tuple] = {
     "processes": (1, 2),
 }
 _MODE = {"fused": ["algo.mode=fused"], "split": ["algo.mode=split"],
-         "async": ["algo.mode=async", "sharding.rollout_devices=4", "algo.max_staleness=1",
+         "async": ["algo.mode=async", "sharding.rollout_devices=0.5", "algo.max_staleness=1",
                    "algo.loss.tis_cap=2.0"],
-         "async+inflight": ["algo.mode=async", "sharding.rollout_devices=4",
+         "async+inflight": ["algo.mode=async", "sharding.rollout_devices=0.5",
                             "algo.max_staleness=2", "algo.loss.tis_cap=2.0",
                             "rollout.inflight_updates=true"]}
 _FEATURE = {
@@ -88,16 +88,21 @@ def overrides(cell: Cell) -> list[str]:
 
 
 @functools.cache
+def planned(cell: Cell) -> RunPlan | str:
+    """A cell's config loaded and planned: its `RunPlan`, or the message it is refused with."""
+    try:
+        cfg = load_config(ExperimentConfig, shipped_config(config_name(cell)), overrides(cell))
+        return plan(cfg, env="tools" if cell.turns == "multi" else None, python_rewards=False,
+                    processes=cell.processes)
+    except ConfigError as e:
+        return str(e)
+
+
 def refusal(cell: Cell) -> str | None:
     """The message a cell is refused with when its config is loaded and planned; None: it
     runs."""
-    try:
-        cfg = load_config(ExperimentConfig, shipped_config(config_name(cell)), overrides(cell))
-        plan(cfg, env="tools" if cell.turns == "multi" else None, python_rewards=False,
-             processes=cell.processes)
-    except ConfigError as e:
-        return str(e)
-    return None
+    result = planned(cell)
+    return result if isinstance(result, str) else None
 
 
 def table() -> str:

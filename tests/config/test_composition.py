@@ -7,7 +7,7 @@ every refused one-process cell is refused by `jaxrl train` itself (in process: i
 planning, before the policy's weights load and the prompts are tokenized), with exit status 2
 and its message. The cells that run,
 and the two-process cells, run as `jaxrl` processes in tests/config/test_composition_runs.py
-(process tier).
+(process tier), one run per distinct program: its grouping is checked here.
 """
 
 from pathlib import Path
@@ -46,3 +46,16 @@ def test_a_refused_one_process_cell_is_refused_by_jaxrl_train(cell, tmp_path, ca
     # refused when planned, before the run loads the weights ("policy: <type>, N parameters")
     # or tokenizes the prompts ("data: task ..."): a config error costs seconds, not a load
     assert " parameters (" not in err and "data: task" not in err, (cell.name, err[-2000:])
+
+
+def test_the_runs_stand_for_every_cell_that_runs_once_two_processes_where_they_can():
+    from tests.config.test_composition_runs import RUNS, program, programs
+
+    groups = programs()
+    stood_for = sorted(c.name for group in groups.values() for c in group)
+    assert stood_for == sorted(c.name for c in cells() if refusal(c) is None)
+    assert len(stood_for) == 56 and len(RUNS) == len(groups) == 28
+    for key, group in groups.items():
+        assert all(program(c) == key for c in group)
+        # the one run has two processes wherever a cell of its program runs on two
+        assert group[0].processes == max(c.processes for c in group), key
