@@ -10,12 +10,22 @@ checks that its tier runs ran every collected test exactly once (each run append
 ids it ran to the file named by JAXRL_TESTS_RAN).
 """
 
+import json
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.launch_env import FAST_COMPILE
+
+# Cheap compiler settings (tests/launch_env.py FAST_COMPILE): two thirds of a cold fast tier
+# is XLA compiling thousands of tiny programs. Measured on an empty cache (tests/models/
+# test_transformer.py, tests/rollout/test_golden.py, tests/rl/test_losses_vs_trl.py, the
+# parity and recorded-number tests among them): 198 s of compiling with XLA's defaults, 116 s
+# with LLVM's cheap settings, 63 s with the older fusion emitters too; every tolerance of the
+# suite still met. The `jaxrl` processes that tests start inherit them, but those that run a
+# command as README does (the docs' blocks, the learning tier, the process goldens, resume)
+# drop XLA_FLAGS and compile as users do.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE,
+                                    "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the `jaxrl` processes some of them start, which inherit the environment)
 # compile the same small programs: XLA's persistent cache compiles each once per machine,
@@ -75,23 +85,23 @@ def tiny_config():
 # The slowest tests of the process and learning tiers (minutes each on a 2-core machine), in
 # the order they start: xdist hands tests out in collection order (two to each worker, then
 # one more to whichever has fewer than two left), so a slow test collected last runs alone at
-# the end while the other worker idles. In the learning tier one worker gets PPO (~4 min
-# here) and the whole quickstart's golden (~13 min), the other LoRA with the base it trains
-# (~12 min) and staleness 2 (~8 min); the first, free sooner of its short test, takes the
-# tool task and the base's own test. In the process tier whole modules move, so a module's
-# tests stay together (their module-scoped fixtures are set up once per worker). An entry is
-# a node id or its prefix.
+# the end while the other worker idles. In the learning tier one worker gets LoRA (which
+# trains the quickstart's 300-step base first, ~1 min, then ~8 min of LoRA) and PPO (~1 min),
+# the other staleness 2 (~6 min) and the quickstart to its target (~4 min, resuming the base);
+# the tool task goes to whichever is free first. In the process tier whole modules move, so a
+# module's tests stay together (their module-scoped fixtures are set up once per worker). An
+# entry is a node id or its prefix.
 SLOW_FIRST = (
-    "tests/commands/test_train.py::test_quickstart_learns_with_ppo_and_a_critic",
-    "tests/run/test_golden_metrics.py::test_metrics_equal_the_golden_ones[quickstart_full]",
     "tests/commands/test_train.py::test_quickstart_learns_with_lora_rank_8",
+    "tests/commands/test_train.py::test_quickstart_learns_with_ppo_and_a_critic",
     "tests/run/test_async_run.py::test_staleness_two_learns_the_quickstart_task",
+    "tests/commands/test_train.py::test_the_quickstart_learns_to_its_target_reward",
     "tests/run/test_multiturn_run.py::test_tool_task_learns_to_call_the_calculator",
-    "tests/run/test_golden_metrics.py",
     "tests/launch/test_slurm.py",  # process: a job stopped and requeued three times
     "tests/test_docs.py",
     "tests/config/test_composition_runs.py",
     "tests/distributed/test_multiprocess.py",
+    "tests/run/test_golden_metrics.py",
 )
 
 
@@ -111,13 +121,55 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_slow_rank)  # stable: within a module, and among the rest, pytest's order
 
 
+def _compile_s() -> float:
+    return compile_stats.counts()["compile_s"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """Each phase's XLA compile seconds in this process ride on its report (user_properties
+    reach xdist's controller): tests/time_table.py splits a test's time into compile and run.
+    The `jaxrl` processes a test starts compile out of sight: their time counts as run time."""
+    before = _compile_s()
+    yield
+    item.user_properties.append(("compile_s", _compile_s() - before))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    before = _compile_s()
+    yield
+    item.user_properties.append(("compile_s", _compile_s() - before))
+
+
+_phases: dict = {}  # nodeid -> [seconds, compile seconds] of the phases reported so far
+
+
 def pytest_runtest_logreport(report):
     """Appends each test run to $JAXRL_TESTS_RAN (once, at its teardown; not from xdist's
-    workers, whose reports reach the controller too)."""
-    ran = os.environ.get("JAXRL_TESTS_RAN")
-    if ran and report.when == "teardown" and os.environ.get("PYTEST_XDIST_WORKER") is None:
+    workers, whose reports reach the controller too), and its seconds and compile seconds to
+    $JAXRL_TEST_TIMES (JSON lines, read by tests/time_table.py)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
+    seconds = _phases.setdefault(report.nodeid, [0.0, 0.0])
+    seconds[0] += report.duration
+    if report.when != "teardown":
+        return
+    ran, times = os.environ.get("JAXRL_TESTS_RAN"), os.environ.get("JAXRL_TEST_TIMES")
+    if ran:
         with open(ran, "a", encoding="utf-8") as f:
             f.write(report.nodeid + "\n")
+    seconds[1] = sum(v for k, v in report.user_properties if k == "compile_s")
+    if times:
+        with open(times, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"test": report.nodeid, "s": round(seconds[0], 3),
+                                "compile_s": round(seconds[1], 3),
+                                "tier": _tier(report.keywords)}) + "\n")
+    del _phases[report.nodeid]
+
+
+def _tier(keywords) -> str:
+    return next((tier for tier in TIERS if tier in keywords), "fast")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own fault-handler plugin set stderr
