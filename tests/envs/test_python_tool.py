@@ -10,6 +10,7 @@ each gets an error result within the time limit, leaves the trainer (a stand-in 
 holding a secret in its environment) and its files as they were, and no process behind.
 """
 
+import functools
 import os
 import random
 import re
@@ -30,7 +31,15 @@ from jaxrl.envs.python_tool import GUARD_WARNING, PythonTool
 from jaxrl.envs.sandbox import SCRATCH, SandboxUnavailable
 
 LIMIT_S = 1.5
-TOOL = PythonTool(timeout_s=LIMIT_S, memory_mb=256, max_output_bytes=4096)
+
+
+@functools.cache
+def sandboxed() -> PythonTool:
+    """The tool in its OS sandbox, made at first use (not at import: without bubblewrap the
+    module is still collected, and each test that needs it fails saying how to install it)."""
+    return PythonTool(timeout_s=LIMIT_S, memory_mb=256, max_output_bytes=4096)
+
+
 FAST_S = 5.0  # a call that does not hit the time limit returns well within this
 
 
@@ -40,7 +49,8 @@ def guard_tool(**limits):
         return PythonTool(timeout_s=LIMIT_S, memory_mb=256, sandbox="guard", **limits)
 
 
-def run(code, tool=TOOL):
+def run(code, tool=None):
+    tool = tool or sandboxed()
     start = time.monotonic()
     result = tool({"code": code})
     return result, time.monotonic() - start
@@ -57,7 +67,7 @@ def test_normal_output_and_latency():
 def test_concurrent_calls_from_threads():
     codes = [f"print({i} * {i})" for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda code: TOOL({"code": code}), codes))
+        results = list(pool.map(lambda code: sandboxed()({"code": code}), codes))
     assert [r.text for r in results] == ["0\n", "1\n", "4\n", "9\n"]
     assert not any(r.error for r in results)
 
@@ -96,7 +106,7 @@ print(sorted(os.listdir('.')))
 
 @pytest.mark.parametrize("kind", ["bwrap", "guard"])
 def test_relative_mkdir_rename_remove_inside_the_scratch_folder_work(kind):
-    result, _ = run(HONEST, TOOL if kind == "bwrap" else guard_tool())
+    result, _ = run(HONEST, sandboxed() if kind == "bwrap" else guard_tool())
     assert (result.text, result.error) == ("[]\n", False)
 
 
@@ -227,7 +237,7 @@ def test_file_size_limit():
 
 def test_code_limits_and_bad_arguments():
     assert PythonTool(max_code_chars=10)({"code": "print('a long line')"}).error
-    assert "must be a string" in TOOL({"code": None}).text
+    assert "must be a string" in sandboxed()({"code": None}).text
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         PythonTool(timeout_s=0)
 

@@ -88,17 +88,23 @@ def _stop_ids_with_varied_lengths():
     raise AssertionError("no token ends the rows at varied lengths")
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_static_and_continuous_batching_give_every_row_the_same_tokens(page_size):
+# (slots, batching, min_slots) against static batching over every row. Every variant at
+# page size 4; at the page sizes 1 (a page per token) and 16 (a row in one page) the variants
+# that reuse slots and pages mid-rollout: each variant or page size compiles an engine program.
+VARIANTS = [(ROWS, "continuous", None), (3, "continuous", None), (3, "static", None),
+            (1, "continuous", None), (ROWS, "continuous", 2), (6, "continuous", 3)]
+REUSING = [(3, "continuous", None), (6, "continuous", 3)]
+
+
+@pytest.mark.parametrize("page_size, variants", [(1, REUSING), (4, VARIANTS), (16, REUSING)])
+def test_static_and_continuous_batching_give_every_row_the_same_tokens(page_size, variants):
     """EOS at varied lengths, prompts of varied lengths: any slot count, either batching,
     tokens bit-equal and log-probs within 1e-6."""
     stop = _stop_ids_with_varied_lengths()
     base = engine_rollout(0.7, ROWS, batching="static", page_size=page_size, stop=stop)
     lengths = np.asarray(base.completion_mask_BxC).sum(1)
     assert len(np.unique(lengths)) >= 3, lengths
-    for slots, batching, min_slots in [(ROWS, "continuous", None), (3, "continuous", None),
-                                       (3, "static", None), (1, "continuous", None),
-                                       (ROWS, "continuous", 2), (6, "continuous", 3)]:
+    for slots, batching, min_slots in variants:
         other = engine_rollout(0.7, slots, batching=batching, page_size=page_size, stop=stop,
                                min_slots=min_slots)
         assert_same_rows(other, base, atol=1e-6)

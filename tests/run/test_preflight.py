@@ -17,7 +17,7 @@ from tests.commands.test_failures import QUICKSTART
 # the 8 test devices with the rollout's rows unsplit: 28.0 MiB peak with every slot's worst
 # case; 13.1 MiB with 355 row pages); split (fsdp as shipped), 9.3 MiB.
 POOL_HEAVY = ["rollout.max_new_tokens=128", "algo.microbatch_size=4", "eval.num_prompts=0",
-              "log.tensorboard=false", "log.plot=false"]
+              "log.tensorboard=false", "log.plot=false", "perf.count_flops=false"]
 LIMIT_GIB = 0.015  # 15.4 MiB: between the two
 
 

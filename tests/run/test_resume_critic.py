@@ -1,6 +1,8 @@
 """A PPO run resumed from its checkpoint restores the critic and its optimizer: the resumed
 steps give the metrics (value loss included) of an uninterrupted run, bitwise."""
 
+import pytest
+
 from jaxrl.run.metrics_log import read_metrics
 from tests.run.test_resume import _finish, _start, _without_timing
 
@@ -8,6 +10,7 @@ PPO = ["algo.advantage=gae", "algo.critic.kind=separate", "algo.mask_zero_std_gr
        "train.checkpoint_every=3"]
 
 
+@pytest.mark.process  # starts `jaxrl train` three times
 def test_resume_restores_the_critic(tmp_path):
     reference = _start(tmp_path / "reference", *PPO, "train.max_steps=6")
     first = _start(tmp_path / "resumed", *PPO, "train.max_steps=3")
