@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Test modules a seeded bug may not depend on: slow in-process trainings and CLI runs (being
-# slimmed down), and the goldens, whose failures say little about which line broke.
+# Test modules a seeded bug may not depend on: whole trainings and CLI runs (slow, and their
+# failures say little about which line broke), and the goldens.
 AVOID = ("tests/commands/", "tests/run/test_env_failures.py", "tests/config/test_composition",
          "tests/test_docs.py", "tests/run/test_golden_metrics.py")
 TIMEOUT_S = 900  # one pytest run (a bug that hangs a loop counts as not caught)
