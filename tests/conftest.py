@@ -12,6 +12,8 @@ ids it ran to the file named by JAXRL_TESTS_RAN).
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from tests.launch_env import FAST_COMPILE
@@ -24,8 +26,14 @@ from tests.launch_env import FAST_COMPILE
 # suite still met. The `jaxrl` processes that tests start inherit them, but those that run a
 # command as README does (the docs' blocks, the learning tier, the process goldens, resume)
 # drop XLA_FLAGS and compile as users do.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE,
-                                    "--xla_force_host_platform_device_count=8"]).strip()
+# A test marked `default_compiler` checks a property of XLA's default compilation (a buffer
+# updated in place, FLOPs XLA counts, two programs bitwise equal): it runs in a pytest process
+# of its own (`pytest_pyfunc_call` below) with this variable set, which compiles as users do.
+DEFAULT_COMPILER = os.environ.get("JAXRL_TESTS_DEFAULT_COMPILER") == "1"
+_inherited = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+              if not (DEFAULT_COMPILER and flag in FAST_COMPILE.split())]
+os.environ["XLA_FLAGS"] = " ".join([*_inherited, *([] if DEFAULT_COMPILER else [FAST_COMPILE]),
+                                    "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the `jaxrl` processes some of them start, which inherit the environment)
 # compile the same small programs: XLA's persistent cache compiles each once per machine,
@@ -119,6 +127,27 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(tiers)}: a test "
                                     f"belongs to one tier at most (one of {', '.join(TIERS)})")
     items.sort(key=_slow_rank)  # stable: within a module, and among the rest, pytest's order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A `default_compiler` test runs in a pytest of its own whose XLA compiles with its
+    default settings (module docstring of this file, DEFAULT_COMPILER); this one reports its
+    outcome. Its own process neither counts in $JAXRL_TESTS_RAN nor times in $JAXRL_TEST_TIMES."""
+    if DEFAULT_COMPILER or pyfuncitem.get_closest_marker("default_compiler") is None:
+        return None
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "JAXRL_TESTS_RAN", "JAXRL_TEST_TIMES"))}
+    env["JAXRL_TESTS_DEFAULT_COMPILER"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-m", "", pyfuncitem.nodeid], cwd=str(pyfuncitem.config.rootpath), env=env,
+        capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        pytest.fail(f"with XLA's default compiler settings (a pytest of its own, exit "
+                    f"{result.returncode}):\n{(result.stdout + result.stderr)[-6000:]}",
+                    pytrace=False)
+    return True
 
 
 def _compile_s() -> float:

@@ -117,6 +117,7 @@ def _collectives(hlo):
     return found
 
 
+@pytest.mark.default_compiler  # the pool updated in place: no copy in XLA's default program
 @pytest.mark.parametrize("layout, num_slots", [("fsdp", 16), ("dp_fsdp_tp", 8)])
 def test_a_decode_step_has_no_collective_over_the_batch_axes(layout, num_slots):
     """The partitioned programs: each device's pool is its own N pages (not D x N), updated

@@ -85,7 +85,10 @@ def test_xla_model_flops_match_the_analytic_count_within_5_percent(phase):
     assert expected <= xla <= 1.05 * expected, (phase, xla, expected)
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode", "logprobs", "grad"])
+# XLA's count of an MoE layer's gradient follows its default CPU fusions (the older
+# emitters' program counts 11% fewer FLOPs than the analytic count).
+@pytest.mark.parametrize("phase", ["prefill", "decode", "logprobs", pytest.param(
+    "grad", marks=pytest.mark.default_compiler)])
 def test_moe_model_flops_count_the_routed_experts_and_match_the_analytic_count(phase):
     acc = _account(base=MOE)
     xla, expected = _phases(acc.model)[phase].cost.flops, _phases(acc.analytic)[phase].cost.flops
