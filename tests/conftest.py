@@ -16,23 +16,23 @@ import subprocess
 import sys
 import tempfile
 
-from tests.launch_env import FAST_COMPILE
+from tests.launch_env import TEST_COMPILE
 
-# Cheap compiler settings (tests/launch_env.py FAST_COMPILE): two thirds of a cold fast tier
+# Cheap compiler settings (tests/launch_env.py TEST_COMPILE): two thirds of a cold fast tier
 # is XLA compiling thousands of tiny programs. Measured on an empty cache (tests/models/
 # test_transformer.py, tests/rollout/test_golden.py, tests/rl/test_losses_vs_trl.py, the
 # parity and recorded-number tests among them): 198 s of compiling with XLA's defaults, 116 s
 # with LLVM's cheap settings, 63 s with the older fusion emitters too; every tolerance of the
-# suite still met. The `jaxrl` processes that tests start inherit them, but those that run a
-# command as README does (the docs' blocks, the learning tier, the process goldens, resume)
-# drop XLA_FLAGS and compile as users do.
+# suite still met. The `jaxrl` processes that tests start inherit them, and the docs' blocks
+# get them; those that run a command on one device as README does (the learning tier, the
+# process goldens, resume) drop XLA_FLAGS and compile as users do.
 # A test marked `default_compiler` checks a property of XLA's default compilation (a buffer
 # updated in place, FLOPs XLA counts, two programs bitwise equal): it runs in a pytest process
 # of its own (`pytest_pyfunc_call` below) with this variable set, which compiles as users do.
 DEFAULT_COMPILER = os.environ.get("JAXRL_TESTS_DEFAULT_COMPILER") == "1"
 _inherited = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-              if not (DEFAULT_COMPILER and flag in FAST_COMPILE.split())]
-os.environ["XLA_FLAGS"] = " ".join([*_inherited, *([] if DEFAULT_COMPILER else [FAST_COMPILE]),
+              if not (DEFAULT_COMPILER and flag in TEST_COMPILE.split())]
+os.environ["XLA_FLAGS"] = " ".join([*_inherited, *([] if DEFAULT_COMPILER else [TEST_COMPILE]),
                                     "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the `jaxrl` processes some of them start, which inherit the environment)
@@ -91,14 +91,15 @@ def tiny_config():
 
 
 # The slowest tests of the process and learning tiers (minutes each on a 2-core machine), in
-# the order they start: xdist hands tests out in collection order (two to each worker, then
-# one more to whichever has fewer than two left), so a slow test collected last runs alone at
-# the end while the other worker idles. In the learning tier one worker gets LoRA (which
-# trains the quickstart's 300-step base first, ~1 min, then ~8 min of LoRA) and PPO (~1 min),
-# the other staleness 2 (~6 min) and the quickstart to its target (~4 min, resuming the base);
-# the tool task goes to whichever is free first. In the process tier whole modules move, so a
-# module's tests stay together (their module-scoped fixtures are set up once per worker). An
-# entry is a node id or its prefix.
+# the order they start, then the fast tier's longest modules: xdist hands tests out in
+# collection order (two to each worker, then one more to whichever has fewer than two left),
+# so a slow test collected last runs alone at the end while the other worker idles. In the
+# learning tier one worker gets LoRA (which trains the quickstart's 300-step base first, ~1
+# min, then ~4-8 min of LoRA) and PPO (~1 min), the other staleness 2 (~6 min) and the
+# quickstart to its target (~3 min, resuming the base); the tool task goes to whichever is
+# free first. In the process tier whole modules move, so a module's tests stay together
+# (their module-scoped fixtures are set up once per worker). An entry is a node id or its
+# prefix.
 SLOW_FIRST = (
     "tests/commands/test_train.py::test_quickstart_learns_with_lora_rank_8",
     "tests/commands/test_train.py::test_quickstart_learns_with_ppo_and_a_critic",
@@ -110,6 +111,13 @@ SLOW_FIRST = (
     "tests/config/test_composition_runs.py",
     "tests/distributed/test_multiprocess.py",
     "tests/run/test_golden_metrics.py",
+    # fast tier: the modules of the longest tests (tests/time_table.py), so that the last
+    # minutes are the many short tests, shared by both workers
+    "tests/test_shipped_configs.py",
+    "tests/test_longtail_policy.py",
+    "tests/step/test_packing.py",
+    "tests/rollout/test_continuous.py",
+    "tests/run/test_preflight.py",
 )
 
 

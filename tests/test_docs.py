@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch_env import TEST_COMPILE
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README_MAX_LINES = 200
@@ -58,10 +60,15 @@ def test_runnable_block(language, code, tmp_path):
             (repo / entry.name).symlink_to(entry)
     script = tmp_path / f"block.{'sh' if language == 'bash' else 'py'}"
     script.write_text(code)
-    # Not XLA_FLAGS (the README's commands run on one device unless they say otherwise), and
-    # not JAXRL_TESTS_RAN: a block that runs pytest must not count in CI's exactly-once check.
+    # Not the tests' XLA_FLAGS (the README's commands run on one device unless they say
+    # otherwise), and not JAXRL_TESTS_RAN or JAXRL_TEST_TIMES: a block that runs pytest must
+    # not count in CI's exactly-once check.
+    # XLA_FLAGS: only the tests' cheap compiler settings (tests/launch_env.py), which change
+    # how long a block's programs take to compile, not what it runs or prints; a block that
+    # sets XLA_FLAGS itself compiles as XLA does by default.
     env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAXRL_TESTS_RAN")}
+           if k not in ("XLA_FLAGS", "PYTHONPATH", "JAXRL_TESTS_RAN", "JAXRL_TEST_TIMES")}
+    env["XLA_FLAGS"] = TEST_COMPILE
     env["PYTHONPATH"] = str(ROOT)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     result = subprocess.run([*RUNNERS[language], str(script)], cwd=repo, env=env,

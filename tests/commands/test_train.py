@@ -22,7 +22,7 @@ LEARNING_STEPS = 100
 # The shipped quickstart's 20-step mean reward first reached 0.8 at step 963 on the CPU of
 # the earlier goldens (AMD EPYC family 23 model 1, AVX2) and at step 924 on an Intel Xeon
 # (family 6 model 167, AVX-512): its fp32 roundoff differs, and so does the step.
-QUICKSTART_STEPS = 1300
+TARGET_STEPS = 1300
 
 
 LORA_BASE_STEPS, LORA_STEPS = 300, 2000
@@ -67,16 +67,16 @@ def quickstart_base(tmp_path_factory, worker_id):
 def test_the_quickstart_learns_to_its_target_reward(quickstart_base, tmp_path):
     """The shipped quickstart as README runs it (GRPO, full fine-tuning, seed 0, one CPU
     device): the answer's shape in 100 steps, then the 20-step mean reward reaches its target
-    0.8 within QUICKSTART_STEPS, past the data's first epoch (625 steps of 32 of its 20,000
+    0.8 within TARGET_STEPS, past the data's first epoch (625 steps of 32 of its 20,000
     prompts). The run is the base's (its first 300 steps, also the LoRA test's start) resumed
     from its step-300 checkpoint, which changes no number (tests/run/test_resume.py)."""
     base_dir, base, base_log = quickstart_base
     run_dir = tmp_path / "run"
     shutil.copytree(base_dir, run_dir)
-    summary, log = _train(run_dir, f"train.max_steps={QUICKSTART_STEPS}", *BASE,
+    summary, log = _train(run_dir, f"train.max_steps={TARGET_STEPS}", *BASE,
                           "log.print_every=100")
     records = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(QUICKSTART_STEPS))
+    assert [r["step"] for r in records] == list(range(TARGET_STEPS))
     first = records[0]["reward/mean"]
     shaped = sum(r["reward/mean"] for r in records[LEARNING_STEPS - 20:LEARNING_STEPS]) / 20
     # Chance is about 0.06 (16 tokens, 4 positions); after 100 steps the policy has at
@@ -87,11 +87,11 @@ def test_the_quickstart_learns_to_its_target_reward(quickstart_base, tmp_path):
         records[624]["data/epoch"], records[-1]["data/epoch"])
     # One program, compiled once by each process; the held-out evaluation at each end.
     assert base["step_compilations"] == summary["step_compilations"] == 1
-    assert base["steps"] == LORA_BASE_STEPS and summary["steps"] == QUICKSTART_STEPS
+    assert base["steps"] == LORA_BASE_STEPS and summary["steps"] == TARGET_STEPS
     assert base["eval/num_prompts"] == summary["eval/num_prompts"] == 100
     # Progress lines when stderr is not a terminal; the resume said so.
     assert f"step {LEARNING_STEPS}/{LORA_BASE_STEPS}" in base_log
-    assert f"step {QUICKSTART_STEPS}/{QUICKSTART_STEPS}" in log
+    assert f"step {TARGET_STEPS}/{TARGET_STEPS}" in log
     assert f"resume: from the checkpoint at step {LORA_BASE_STEPS}" in log
 
 

@@ -12,8 +12,8 @@ Of the two-process refusals, one is launched (exit status 2, its message, before
 load): the failure class "refused when planned, in a second process"; every cell's refusal
 message is computed by planning it and checked in the fast tier
 (tests/config/test_composition.py), as is this grouping (`programs` covers every cell that
-runs, once). Every process compiles with LLVM's cheap settings (tests/launch_env.py: these runs
-check that a combination trains, not its numbers).
+runs, once). Every process compiles with the tests' cheap settings (tests/launch_env.py TEST_COMPILE:
+these runs check that a combination trains, not its numbers).
 
 A run must leave 3 metric records (steps 0, 1, 2) whose policy loss and gradient norm are
 finite. Each run is its own process: 32 trainings in one pytest worker once aborted it (XLA's
@@ -35,7 +35,7 @@ import pytest
 from jaxrl.config import composition
 from jaxrl.config.composition import Cell, cells, config_name, overrides, refusal
 from jaxrl.run.metrics_log import read_metrics
-from tests.launch_env import FAST_COMPILE, SMALL
+from tests.launch_env import SMALL, TEST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[2]
 JAXRL = str(Path(sys.executable).parent / "jaxrl")
@@ -84,10 +84,10 @@ def _argv(cell: Cell, run_dir: Path) -> list[str]:
 def _launch(cell: Cell, run_dir: Path, logs: Path) -> subprocess.CompletedProcess:
     """The cell on DEVICES fake CPU devices in all: `jaxrl train` in one process, or the local
     launcher over two; this tree's jaxrl, XLA's flags as tests/conftest.py set them but the
-    device count, and LLVM's cheap settings."""
+    device count, and the tests' cheap settings."""
     flags = " ".join(f for f in os.environ["XLA_FLAGS"].split()
                      if not f.startswith("--xla_force_host_platform_device_count"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"{flags} {FAST_COMPILE}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"{flags} {TEST_COMPILE}")
     if cell.processes == 1:
         env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={DEVICES}"
         argv = [JAXRL, "train", *_argv(cell, run_dir)]
