@@ -35,6 +35,7 @@ from tests.golden.runs import differences as _differences
 
 
 @pytest.mark.process  # module docstring
+@pytest.mark.default_compiler  # recorded as XLA compiles by default (its FLOP counts with it)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_metrics_equal_the_golden_ones(name, tmp_path):
     golden = load_golden(name)
