@@ -39,6 +39,7 @@ def _start_two_processes(out: Path) -> list[subprocess.Popen]:
             for i in range(2)]
 
 
+@pytest.mark.default_compiler  # bit-equal to the two processes, which compile as users do
 def test_rows_are_identical_on_1_8_and_2x4_devices(tmp_path):
     out = tmp_path / "rows.npz"
     processes = _start_two_processes(out)  # they run while this process samples its two
