@@ -32,7 +32,8 @@ from tests.launch_env import TEST_COMPILE
 DEFAULT_COMPILER = os.environ.get("JAXRL_TESTS_DEFAULT_COMPILER") == "1"
 _inherited = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
               if not (DEFAULT_COMPILER and flag in TEST_COMPILE.split())]
-os.environ["XLA_FLAGS"] = " ".join([*_inherited, *([] if DEFAULT_COMPILER else [TEST_COMPILE]),
+_cheap = [] if DEFAULT_COMPILER else [TEST_COMPILE]
+os.environ["XLA_FLAGS"] = " ".join([*_inherited, *_cheap,
                                     "--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests (and the `jaxrl` processes some of them start, which inherit the environment)
@@ -140,7 +141,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A `default_compiler` test runs in a pytest of its own whose XLA compiles with its
-    default settings (module docstring of this file, DEFAULT_COMPILER); this one reports its
+    default settings (DEFAULT_COMPILER, at the top of this file); this one reports its
     outcome. Its own process neither counts in $JAXRL_TESTS_RAN nor times in $JAXRL_TEST_TIMES."""
     if DEFAULT_COMPILER or pyfuncitem.get_closest_marker("default_compiler") is None:
         return None
@@ -162,24 +163,19 @@ def _compile_s() -> float:
     return compile_stats.counts()["compile_s"]
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    """Each phase's XLA compile seconds in this process ride on its report (user_properties
-    reach xdist's controller): tests/time_table.py splits a test's time into compile and run.
-    The `jaxrl` processes a test starts compile out of sight: their time counts as run time."""
-    before = _compile_s()
+def _count_compile_s(item):
+    """Runs one phase of `item` (a hookwrapper's body); its XLA compile seconds in this process
+    ride on the phase's report (user_properties reach xdist's controller): tests/time_table.py
+    splits a test's time into compile and run. The `jaxrl` processes a test starts compile out
+    of sight: their time counts as run time."""
+    before = compile_stats.counts()["compile_s"]
     yield
-    item.user_properties.append(("compile_s", _compile_s() - before))
+    item.user_properties.append(("compile_s", compile_stats.counts()["compile_s"] - before))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    before = _compile_s()
-    yield
-    item.user_properties.append(("compile_s", _compile_s() - before))
-
-
-_phases: dict = {}  # nodeid -> [seconds, compile seconds] of the phases reported so far
+pytest_runtest_setup = pytest.hookimpl(hookwrapper=True)(_count_compile_s)
+pytest_runtest_call = pytest.hookimpl(hookwrapper=True)(_count_compile_s)
+_seconds: dict = {}  # nodeid -> seconds of the phases reported so far
 
 
 def pytest_runtest_logreport(report):
@@ -188,21 +184,20 @@ def pytest_runtest_logreport(report):
     $JAXRL_TEST_TIMES (JSON lines, read by tests/time_table.py)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         return
-    seconds = _phases.setdefault(report.nodeid, [0.0, 0.0])
-    seconds[0] += report.duration
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
     if report.when != "teardown":
         return
     ran, times = os.environ.get("JAXRL_TESTS_RAN"), os.environ.get("JAXRL_TEST_TIMES")
     if ran:
         with open(ran, "a", encoding="utf-8") as f:
             f.write(report.nodeid + "\n")
-    seconds[1] = sum(v for k, v in report.user_properties if k == "compile_s")
     if times:
+        compile_s = sum(v for k, v in report.user_properties if k == "compile_s")
         with open(times, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"test": report.nodeid, "s": round(seconds[0], 3),
-                                "compile_s": round(seconds[1], 3),
+            f.write(json.dumps({"test": report.nodeid, "s": round(_seconds[report.nodeid], 3),
+                                "compile_s": round(compile_s, 3),
                                 "tier": _tier(report.keywords)}) + "\n")
-    del _phases[report.nodeid]
+    del _seconds[report.nodeid]
 
 
 def _tier(keywords) -> str:
