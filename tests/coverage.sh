@@ -4,31 +4,40 @@
 # tree TREE (default: this one; another checkout, an older commit's, is measured with this
 # script's settings, so that two commits compare). docs/testing.md, "Coverage".
 #
-#   tests/coverage.sh [TREE] [-- extra pytest args]     # minutes to an hour on 2 cores
+#   tests/coverage.sh [TREE] [-- extra pytest args]     # an hour or more on 2 cores
 #
-# Prints coverage's report and its total; the data stays in TREE/.coverage.
+# Prints coverage's report and its total. The data stays in TREE/.coverage (combined) and in
+# TREE/.coverage-data/<tier>/ (each tier's files, kept).
+#
+# Each tier writes its data files in a folder of its own, combined only at the end: on
+# 2026-12-06 the data files that runs wrote into TREE beside TREE/.coverage were gone before
+# the last tier ended (which process removed them was not found), so no tier's data waits
+# where another run writes.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-tree="$(cd "${1:-$here}" && pwd)"; shift || true
+tree="$here"
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then tree="$(cd "$1" && pwd)"; shift; fi
 [ "${1:-}" != "--" ] || shift
-rc="$(mktemp)"
-cat > "$rc" <<EOF
-[run]
-source = $tree/jaxrl
-branch = true
-parallel = true
-patch = subprocess
-data_file = $tree/.coverage
-[report]
-precision = 2
-EOF
-export COVERAGE_RCFILE="$rc"
+data="$tree/.coverage-data"
+rm -rf "$data" "$tree/.coverage"
+mkdir -p "$data"
 cd "$tree"
-rm -f .coverage .coverage.*
-for tier in "" process learning; do
-  coverage run -m pytest -n 2 -q -p no:cacheprovider ${tier:+-m $tier} "$@" || {
-    echo "coverage.sh: the ${tier:-fast} tier failed (exit $?); coverage is of what ran" >&2; }
+rcfile() {  # rcfile DATA_FILE [PATCH]: coverage's settings, its data in DATA_FILE
+  printf '[run]\nsource = %s/jaxrl\nbranch = true\nparallel = true\ndata_file = %s\n%s\n' \
+    "$tree" "$1" "${2:+patch = $2}"
+  printf '[report]\nprecision = 2\n'
+}
+for tier in fast process learning; do
+  mkdir -p "$data/$tier"
+  rcfile "$data/$tier/.coverage" subprocess > "$data/$tier.rc"
+  marker=(); [ "$tier" = fast ] || marker=(-m "$tier")
+  echo "coverage.sh: the $tier tier ($(date -u +%H:%M:%S) UTC)" >&2
+  COVERAGE_RCFILE="$data/$tier.rc" coverage run -m pytest -n 2 -q -p no:cacheprovider \
+      "${marker[@]}" "$@" || echo "coverage.sh: the $tier tier failed; coverage is of what ran" >&2
+  echo "coverage.sh: $(find "$data/$tier" -type f | wc -l) data files of the $tier tier" >&2
 done
-coverage combine -q
+rcfile "$tree/.coverage" > "$data/all.rc"
+export COVERAGE_RCFILE="$data/all.rc"
+coverage combine -q --keep "$data/fast" "$data/process" "$data/learning"
 coverage report --skip-covered --sort=cover | tail -25
 coverage report --format=total
