@@ -64,12 +64,11 @@ def _prompts(prompts, g=1):
 class ScriptedEnv:
     """Answers turn k with `answers[k]` (an Observation); records the turns it saw and when."""
 
-    def __init__(self, answers, sleep=0.0):
-        self.answers, self.sleep, self.turns, self.times = list(answers), sleep, [], []
+    def __init__(self, answers):
+        self.answers, self.turns, self.times = list(answers), [], []
 
     def step(self, turn):
         self.turns.append(turn)
-        time.sleep(self.sleep if len(self.turns) == 1 else 0.0)
         self.times.append(time.perf_counter())
         return self.answers[min(len(self.turns), len(self.answers)) - 1]
 
@@ -205,21 +204,34 @@ def test_sampler_log_probs_equal_the_trainers(model, g, family):
 
 
 def test_a_slow_environment_does_not_stall_the_other_slots(model):
-    """Row 0's environment sleeps 0.3 s on its first turn; with 2 slots the other 3 rows run
-    all their turns (through the other slot) before it returns."""
+    """Row 0's environment holds its first turn until the other 3 rows have run all their
+    turns (through the other slot of 2), then sleeps 0.3 s: an engine that waits on row 0 never
+    releases it. A gate, not a fixed sleep, so that a loaded host cannot fail it."""
     answers = [Observation(ids=[30, 31]), Observation(done=True, reward=1.0)]
     ids, mask = _prompts(PROMPTS)
     config = turns(3, 16, 3, num_slots=2, chunk_width=8)
+    others_done = threading.Event()
 
-    def run(sleep):
-        envs = [ScriptedEnv(answers, sleep if i == 0 else 0.0) for i in range(4)]
-        return envs, rollout_multiturn(model, ids, mask, envs, encode, decode,
-                                       jax.random.key(3), config)
+    class Slow(ScriptedEnv):
+        def step(self, turn):
+            if not self.turns:
+                self.released = others_done.wait(timeout=120)
+                time.sleep(0.3)
+            return super().step(turn)
 
-    fast_envs, fast = run(0.0)  # compiles everything first
-    envs, out = run(0.3)
-    slow_return = envs[0].times[0]
-    assert all(len(e.times) == 2 and e.times[-1] < slow_return for e in envs[1:])
+    class Fast(ScriptedEnv):
+        def step(self, turn):
+            observation = super().step(turn)
+            if all(len(e.times) == 2 for e in envs[1:]):
+                others_done.set()
+            return observation
+
+    fast = rollout_multiturn(model, ids, mask, [ScriptedEnv(answers) for _ in range(4)],
+                             encode, decode, jax.random.key(3), config)  # compiles first
+    envs = [Slow(answers), *(Fast(answers) for _ in range(3))]
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(3), config)
+    assert envs[0].released, "the other rows did not finish while row 0's environment ran"
+    assert all(len(e.times) == 2 and e.times[-1] < envs[0].times[0] for e in envs[1:])
     assert out.env_wait_s > 0.1 and out.env_time_s > 0.3
     assert threading.active_count() < 20
     # Timing changed nothing about the tokens.
