@@ -116,6 +116,14 @@ def test_every_failure_is_one_line_and_an_exit_status(monkeypatch, capsys, error
         assert word in err, (word, err)
 
 
+def test_a_system_exit_inside_a_command_passes_through_with_its_status(monkeypatch, capsys):
+    """Not a failure of the command (no error line): its status is the process's."""
+    _failing(monkeypatch, SystemExit(7))
+    with pytest.raises(SystemExit) as raised:
+        main(["check"])
+    assert raised.value.code == 7 and "error" not in capsys.readouterr().err
+
+
 def test_debug_shows_the_traceback(monkeypatch, capsys):
     _failing(monkeypatch, ValueError("deep inside"))
     assert main(["check", "--debug"]) == 1

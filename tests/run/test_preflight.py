@@ -2,6 +2,7 @@
 
 import io
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -9,6 +10,7 @@ from rich.console import Console
 from jaxrl.config import ExperimentConfig, load_config
 from jaxrl.perf import MemoryFitError
 from jaxrl.rollout.pages import worst_row_pages
+from jaxrl.run.preflight import _print_flops
 from jaxrl.run.start import start_run
 from tests.commands.test_failures import QUICKSTART
 
@@ -66,3 +68,18 @@ def test_rows_split_over_the_devices_fit_with_every_slots_worst_case(tmp_path):
     assert memory.fits and memory.peak_bytes <= LIMIT_GIB * 2**30
     assert engine.row_pages is None  # not shrunk
     started.checkpoints.close()
+
+
+@pytest.mark.parametrize("packs", [False, True])
+def test_the_flops_line_says_how_a_packed_steps_train_flops_count(packs):
+    """Preflight's FLOPs line counts all decode steps; a packed run's adds that its train
+    FLOPs follow its real tokens. A stand-in accounting: the line, not the count, is tested."""
+    counted = {"perf/model_flops": 2e9, "perf/xla_flops": 3e9, "perf/analytic_flops": 4e9}
+    none = SimpleNamespace(unknown=list)
+    accounting = SimpleNamespace(metrics=lambda decode_steps: counted, model=none,
+                                 hardware=none)
+    out = io.StringIO()
+    _print_flops(accounting, 64, Console(file=out, width=200), packs=packs)
+    text = out.getvalue()
+    assert "per step (all 64 tokens decoded): model 2" in text and "XLA 3" in text, text
+    assert ("train FLOPs of a packed step" in text) == packs, text
