@@ -20,7 +20,7 @@ temperature 1 with no stop tokens (EOS ignored), so row r generates exactly C_r 
 log-normal with median --length-median (mu = ln median) and sigma --length-sigma, drawn with
 numpy default_rng(0): the same limits for every batching.
 
-Batchings: `dense` is today's sampler (`SamplerConfig(engine=None)`, `jaxrl.rollout.sampler`):
+Batchings: `dense` is `SamplerConfig(engine=None)` (`jaxrl.rollout.dense_reference`):
 it has no per-row limits, so every row decodes T tokens over a [B, P + T - 1] cache, and only
 the C_r useful tokens of each row count as generated. `static` / `continuous` run the engine
 (`jaxrl.rollout.slots`, `decode_loop`) with S = --slots decode slots (default B; the engine takes at

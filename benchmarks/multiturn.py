@@ -6,7 +6,7 @@
 A multi-turn rollout needs the host (the environments) in the middle of decoding. A fused
 program could only reach it through a host callback (`jax.experimental.io_callback`) inside
 its decode loop, at every iteration, since any slot may end its turn at any token. This
-times one decode iteration of the engine's slots (`jaxrl.rollout.serving.generate`,
+times one decode iteration of the engine's slots (`rollout.serving.emit_and_generate`,
 a random quickstart-sized policy, --slots slots) three ways, each over --steps iterations,
 alternated --rounds times, median:
 
@@ -68,8 +68,8 @@ def main() -> None:
             jnp.zeros_like(state.key_SxK), jnp.full((s,), args.steps + 2)), stops)
 
     def decode(weights, state):
-        return serving.generate(nnx.merge(graphdef, weights), state, layout, stops, sampling,
-                                slots.Attention())
+        return serving.emit_and_generate(nnx.merge(graphdef, weights), state, layout, stops,
+                                         sampling, slots.PagedAttentionSettings())
 
     seen = []
 

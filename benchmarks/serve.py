@@ -78,16 +78,16 @@ def engine_steps(model_dir: str, slot_counts: list[int], max_prompt: int,
 
     model = from_pretrained(model_dir)
     graphdef, params = nnx.split(model)
-    greedy, stops, xla = SamplingParams(temperature=0.0), slots.Stops(), slots.Attention()
+    greedy, stops = SamplingParams(temperature=0.0), slots.Stops()
+    xla = slots.PagedAttentionSettings()
     for num_slots in slot_counts:
         layout = serving.pool_layout(num_slots, max_prompt, max_output, 16)
-        generate = jax.jit(lambda p, st, layout=layout: serving.generate(
+        generate = jax.jit(lambda p, st, layout=layout: serving.emit_and_generate(
             nnx.merge(graphdef, p), st, layout, stops, greedy, xla), donate_argnums=1)
-        prefill = jax.jit(lambda p, ids, n: serving.prefill(
+        prefill = jax.jit(lambda p, ids, n: serving.prefill_request(
             nnx.merge(graphdef, p), ids, n, jax.random.key(0), greedy, max_output))
-        insert = jax.jit(lambda st, pf, s, layout=layout: serving.insert(st, pf, s, layout,
-                                                                         stops),
-                         donate_argnums=0)
+        insert = jax.jit(lambda st, pf, s, layout=layout: serving.insert_request(
+            st, pf, s, layout, stops), donate_argnums=0)
         ids = jnp.ones((max_prompt,), jnp.int32)
         for live in sorted({1, num_slots}):
             state = slots.init(model.config, layout, num_slots)

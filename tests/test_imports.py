@@ -51,6 +51,7 @@ FORBIDDEN = (
 CONFIG_MAY_IMPORT = frozenset({
     "jaxrl.data.section",
     "jaxrl.distributed.settings",
+    "jaxrl.models.load_settings",
     "jaxrl.models.lora_config",
     "jaxrl.rl.loss_config",
     "jaxrl.rl.settings",

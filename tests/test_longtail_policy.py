@@ -149,7 +149,7 @@ def test_jaxrl_samples_the_intended_lengths(workload):
     graphdef, params = nnx.split(model)
     stop_ids = stop_token_ids(tokenizer, model.config, ())
     assert stop_ids == (tokenizer.eos_token_id,)
-    config = SamplerConfig(lt.CAP, ROWS, stop_token_ids=stop_ids,
+    config = SamplerConfig(lt.CAP, ROWS, end_token_ids=stop_ids,
                            pad_token_id=pad_token_id(tokenizer), sampling=SamplingParams(1.0))
     rollout = jax.device_get(Sampler(graphdef, config).generate(
         params, Prompts(np.array([prompt], np.int32), np.ones((1, len(prompt)), bool)),

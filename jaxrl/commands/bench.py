@@ -3,23 +3,28 @@
     start_run(cfg)                         the same start as `jaxrl train` (a new run dir):
                                            build, compile ahead of time, memory fit, FLOP
                                            count, peak FLOP/s (on CPU measured afresh)
-    W warm-up steps, then N measured steps, each waited for (block_until_ready)
+    Trainer(started, ..., hooks).run_steps()   W warm-up steps, then N measured steps: the
+                                           trainer of `jaxrl train` (`jaxrl.run.trainer`)
+                                           with the curriculum hook, the step timer and,
+                                           with --profile, the profiler (`jaxrl.run.hooks`)
     print a table and, as the last line of stdout, one JSON object (`BENCH_KEYS`)
 
-Measured steps are timed one by one on the host (dispatch to outputs ready), so the
-numbers are the latency of a step, not hidden by the next one's dispatch. MFU/HFU use the
-median step; the generate/train split comes from stamps inside the program
-(`jaxrl.step.clock`), each step recorded like training's (`jaxrl.run.recorder`). `decode_tokens_per_s` is completion tokens / generate seconds, prefill
-included (a lower bound of the pure decode rate); `decode_bound_tokens_per_s` is its
-roofline from the decode program's bytes accessed and the device's memory bandwidth;
-`decode_roofline_frac` is decode_tokens_per_s over the roofline of the bytes a step must
-read: the weights plus the live KV (`_decode_roofline_frac`), not the whole preallocated cache.
-`peak_memory_bytes` is XLA's plan for the step program (per device);
-`measured_peak_memory_bytes` the allocator's peak where the device reports one (not CPU).
-`--profile` wraps the measured steps in a `jax.profiler` trace under `<run_dir>/profile`
-(open with TensorBoard's profile plugin, XProf or Perfetto) and prints where the device time
-went per step, grouped as matmul / attention / copies / reductions / collectives / host /
-other with the top ops (`jaxrl.perf.profile`; in the JSON as `profile_split_s`, `profile_top`).
+The step timer (`hooks/timing.py`) waits for each step and times it on the host (dispatch
+to outputs ready), so the numbers are the latency of a step, not hidden by the next one's
+dispatch, and keeps the measured steps' records. MFU/HFU use the median step; the
+generate/train split comes from stamps inside the program (`jaxrl.step.clock`), each step
+recorded as training's are (`jaxrl.run.recorder`). `decode_tokens_per_s` is completion
+tokens / generate seconds, prefill included (a lower bound of the pure decode rate);
+`decode_bound_tokens_per_s` is its roofline from the decode program's bytes accessed and the
+device's memory bandwidth; `decode_roofline_frac` is decode_tokens_per_s over the roofline of
+the bytes a step must read: the weights plus the live KV (`_decode_roofline_frac`), not the
+whole preallocated cache. `peak_memory_bytes` is XLA's plan for the step program (per
+device); `measured_peak_memory_bytes` the allocator's peak where the device reports one (not
+CPU). `--profile` wraps the measured steps in a `jax.profiler` trace under
+`<run_dir>/profile` (`hooks/profiling.py`; open with TensorBoard's profile plugin, XProf or
+Perfetto) and prints where the device time went per step, grouped as matmul / attention /
+copies / reductions / collectives / host / other with the top ops (`jaxrl.perf.profile`; in
+the JSON as `profile_split_s`, `profile_top`).
 The run directory also gets `bench.json` (the JSON line) and `metrics.jsonl`.
 """
 
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +53,14 @@ from jaxrl.perf import (
 )
 from jaxrl.perf.profile import TraceSplit, op_groups, summarize_trace
 from jaxrl.run.build import Run
+from jaxrl.run.hooks.curriculum import CurriculumHook
+from jaxrl.run.hooks.profiling import ProfileHook
+from jaxrl.run.hooks.timing import StepTimer
 from jaxrl.run.metrics_log import MetricsLog
 from jaxrl.run.preflight import Preflight
 from jaxrl.run.recorder import StepRecorder
 from jaxrl.run.start import start_run
+from jaxrl.run.trainer import Trainer
 from jaxrl.saved.files import BENCH_FILE, PROFILE_DIR
 
 # Keys of the final JSON line (a value is null when it cannot be measured honestly, e.g.
@@ -81,48 +89,22 @@ def run_bench(cfg: ExperimentConfig, console: Console, config_path: str | None, 
     cfg = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, phase_times=True))
     name = f"bench-{Path(config_path).stem if config_path else 'run'}"
     started = start_run(cfg, name, console, resumable=False, refresh_peak=True)
-    run, state = started.run, started.state
+    run = started.run
 
-    records: list[dict[str, Any]] = []
-    prompt_lens: list[float] = []  # mean real prompt tokens of each measured step's rows
     profile_dir = run.run_dir / PROFILE_DIR if profile else None
     if profile_dir is not None and jax.process_count() > 1:
         profile_dir = profile_dir / f"process-{jax.process_index()}"  # a trace per process
+    timer = StepTimer(console, warmup, warmup + steps)
+    hooks = [CurriculumHook(), timer]
+    if profile_dir is not None:
+        hooks.insert(0, ProfileHook(profile_dir, warmup, console))  # started before the timer
     log = MetricsLog(run.run_dir, tensorboard=False)
-    recorder = StepRecorder(run, started.pre, log)
-    tracing = False
-    drawn: dict[int, tuple[Any, dict[str, float]]] = {}  # each step's batch, at its draw
-
-    def batch_of(step: int) -> tuple[Any, ...]:
-        batch, placed = started.batch(step)
-        drawn[step] = (batch, run.batches.metrics())
-        return (*placed, jax.random.fold_in(started.key, step))
-
     try:
-        for i in range(warmup + steps):
-            if i == warmup and profile_dir is not None:
-                jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
-                tracing = True
-            start = time.perf_counter()
-            state, out = run.step(state, i, batch_of, run.ref_params)
-            jax.block_until_ready(out)
-            step_s = time.perf_counter() - start
-            batch, data_metrics = drawn.pop(i)
-            record, host = recorder.record(i, out, data_metrics, step_s=step_s)
-            run.batches.observe(i, batch.all_positions_B, host.success_P, host.signal_P)
-            phase = "warm-up" if i < warmup else "measured"
-            console.print(f"step {i + 1}/{warmup + steps} ({phase}): {step_s * 1e3:.1f} ms")
-            if i >= warmup:
-                records.append(record)
-                prompt_lens.append(float(np.mean(np.sum(batch.mask_BxP, axis=1))))
+        Trainer(started, StepRecorder(run, started.pre, log), hooks, warmup + steps).run_steps()
     finally:
         log.close()
-        if tracing:
-            jax.profiler.stop_trace()
-            console.print(f"[bold]profile[/]: {profile_dir} (tensorboard --logdir "
-                          f"{profile_dir}, or XProf / Perfetto)")
-    result = _result(run, started.pre, records, config_path, warmup, profile_dir,
-                     float(np.mean(prompt_lens)))
+    result = _result(run, started.pre, timer.records, config_path, warmup, profile_dir,
+                     float(np.mean(timer.prompt_lens)))
     if profile_dir is not None:
         split = summarize_trace(profile_dir, op_groups(
             [c.as_text() for c in run.step.compiled().values()]), steps)

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxrl.config import Family, ModelSection, ShardingSection, require_at_least
-from jaxrl.models import Transformer, from_pretrained, save_pretrained
+from jaxrl.models import Transformer, load_policy, save_pretrained
 from jaxrl.models.config import tiny_config
 from jaxrl.sharding import create_sharded, make_mesh, resolve_layout, use_rules
 from jaxrl.sharding.rules import variable_axes
@@ -56,27 +56,20 @@ def run_check(cfg: CheckConfig, console: Console) -> dict[str, Any]:
                   f"({jax.default_backend()}), {jax.process_count()} process(es)")
     console.print(f"[bold]layout[/] {layout.name}: mesh {dict(mesh.shape)}")
 
-    rules = layout.train_rules
+    rules, load = layout.train_rules, cfg.model.load_settings()
     if cfg.model.path:
-        model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype,
-                                compute_dtype=cfg.model.compute_dtype, mesh=mesh, rules=rules,
-                                scan_layers=cfg.model.scan_layers,
-                                attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
+        model = load_policy(cfg.model.path, load, mesh=mesh, rules=rules)
         source = cfg.model.path
     else:
         model_cfg = tiny_config(
-            cfg.check.family, param_dtype=cfg.model.dtype or "float32",
-            compute_dtype=cfg.model.compute_dtype or cfg.model.dtype or "float32",
-            scan_layers=cfg.model.scan_layers, attention_impl=cfg.model.attention_impl,
-            remat=cfg.model.remat)
+            cfg.check.family, param_dtype=load.dtype or "float32",
+            compute_dtype=load.compute_dtype or load.dtype or "float32",
+            scan_layers=load.scan_layers, attention_impl=load.attention_impl, remat=load.remat)
         built = create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(cfg.check.seed)),
                                mesh, rules)
         with tempfile.TemporaryDirectory() as tmp:
-            save_pretrained(built, tmp)
-            model = from_pretrained(tmp, mesh=mesh, rules=rules, scan_layers=model_cfg.scan_layers,
-                                    compute_dtype=model_cfg.compute_dtype,
-                                    attention_impl=model_cfg.attention_impl,
-                                    remat=model_cfg.remat)
+            save_pretrained(built, tmp)  # reloaded in the dtypes it was made in
+            model = load_policy(tmp, load, mesh=mesh, rules=rules)
         source = f"tiny random {cfg.check.family} (saved as HF and reloaded)"
     console.print(f"[bold]model[/]: {source}, {model.config.num_params():,} parameters")
     console.print(_layout_table(model, mesh, layout))

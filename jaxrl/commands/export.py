@@ -6,14 +6,14 @@
     --out DIR                  <- model.safetensors (+ index when sharded), config.json,
                                   generation_config.json, tokenizer files
 
-The result loads in transformers (`AutoModelForCausalLM.from_pretrained(DIR)`) and in
-`jaxrl.models.from_pretrained`, with the checkpoint's exact parameter values (a LoRA run's as
+The result loads in transformers (`AutoModelForCausalLM`'s `from_pretrained` of DIR) and in
+`jaxrl.models.load_policy`, with the checkpoint's exact parameter values (a LoRA run's as
 its merged weights, W + s · A B). `--out` must be a new or empty directory: an export never
 overwrites a model.
 
 `--adapter` (LoRA runs): the adapters alone as a PEFT adapter directory (adapter_config.json,
 adapter_model.safetensors; `jaxrl.models.lora_peft`) for the run's base model, which
-`peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), DIR)` loads.
+`peft.PeftModel`'s `from_pretrained` loads onto the base model as transformers loads it.
 """
 
 from __future__ import annotations

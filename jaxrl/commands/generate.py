@@ -24,7 +24,7 @@ from jaxrl.data.tokenizer import (
     pad_token_id,
     rollout_stop_ids,
 )
-from jaxrl.models import from_pretrained
+from jaxrl.models import load_policy
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig
 from jaxrl.sharding import make_mesh, resolve_layout
 
@@ -56,20 +56,18 @@ def run_generate(cfg: GenerateConfig, console: Console) -> list[dict[str, Any]]:
     layout = resolve_layout(cfg.sharding.layout)
     mesh = make_mesh(layout)
     # Generation only: load straight into the rollout layout.
-    model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype,
-                            compute_dtype=cfg.model.compute_dtype, mesh=mesh,
-                            rules=layout.rollout_rules, scan_layers=cfg.model.scan_layers,
-                            attention_impl=cfg.model.attention_impl, remat=cfg.model.remat)
+    model = load_policy(cfg.model.path, cfg.model.load_settings(), mesh=mesh,
+                        rules=layout.rollout_rules)
     graphdef, params = nnx.split(model)
     sampler_config = SamplerConfig.of(
-        cfg.rollout, stop_token_ids=rollout_stop_ids(tokenizer, model.config, cfg.rollout),
+        cfg.rollout, end_token_ids=rollout_stop_ids(tokenizer, model.config, cfg.rollout),
         pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(graphdef, sampler_config, mesh=mesh, rules=layout.rollout_rules)
     ids_BxP, mask_BxP = encode_prompts(tokenizer, cfg.generate.prompts,
                                        chat_template=cfg.generate.chat_template)
     console.print(f"[bold]generate[/]: {len(cfg.generate.prompts)} prompt(s) x "
                   f"{cfg.rollout.num_generations} on mesh {dict(mesh.shape)}, "
-                  f"stop ids {list(sampler_config.stop_token_ids)}")
+                  f"stop ids {list(sampler_config.end_token_ids)}")
     start = time.perf_counter()
     rollout = jax.device_get(sampler.generate(params, Prompts(ids_BxP, mask_BxP),
                                               jax.random.key(cfg.generate.seed)))

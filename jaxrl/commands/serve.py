@@ -20,6 +20,7 @@ Needs the extra: `pip install 'jaxrl[jetstream]'`; without it, exit 2 saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -32,7 +33,7 @@ from rich.console import Console
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.data.tokenizer import load_tokenizer, rollout_stop_ids
-from jaxrl.models import from_pretrained
+from jaxrl.models import load_policy
 from jaxrl.perf.memory import MemoryFitError, format_bytes, memory_limit
 from jaxrl.rollout import serving
 from jaxrl.rollout.slots_on_mesh import SlotSplit, batch_devices
@@ -78,20 +79,14 @@ def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: thre
     params = place(params, model_config.compute_dtype, mesh, layout.rollout_rules)
     del model
     slots = _slots(cfg, model_config, params, mesh, layout.rollout_rules)
-    spec = EngineSpec(
-        num_slots=slots, max_prefill_length=serve.max_prefill_length,
-        max_new_tokens=serve.max_new_tokens, page_size=cfg.rollout.engine.page_size,
-        sampling=serve.sampling,
-        stop_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
-        tokenizer_dir=str(model_dir), chat_template=serve.chat_template,
-        buckets=serve.prefill_buckets(), attention=cfg.rollout.engine.attention,
-        dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype,
-        seed=serve.seed)
+    spec = EngineSpec.of(cfg, model_config, num_slots=slots,
+                         end_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
+                         tokenizer_dir=str(model_dir))
     engine = JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=layout.rollout_rules)
     del params
     console.print(f"[bold]serve[/]: {source} on mesh {dict(mesh.shape)}, {slots} slots "
                   f"({engine.split.describe()}), prompts up to {serve.max_prefill_length} tokens, up to "
-                  f"{serve.max_new_tokens} new tokens, stop ids {list(spec.stop_token_ids)}",
+                  f"{serve.max_new_tokens} new tokens, stop ids {list(spec.end_token_ids)}",
                   soft_wrap=True)  # one line, for grep and logs
     if serve.warmup:
         start = time.perf_counter()
@@ -151,10 +146,9 @@ def _policy(cfg: ExperimentConfig, step: int | None, mesh, rules):
     else:
         raise ConfigError("jaxrl serve needs a policy: model.path=an HF model directory, or "
                           "train.run_dir=a run directory with checkpoints or final_model/")
-    m = cfg.model
-    model = from_pretrained(path, dtype=m.dtype, compute_dtype=m.compute_dtype, mesh=mesh,
-                            rules=rules, scan_layers=m.scan_layers,
-                            attention_impl=m.attention_impl)
+    # The served policy is whole weights (final_model/ holds LoRA merged): no new adapters.
+    load = dataclasses.replace(cfg.model.load_settings(), lora=None)
+    model = load_policy(path, load, mesh=mesh, rules=rules)
     return model, path, str(path)
 
 

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jaxrl.config_base import ConfigError, read_yaml
 
-T = TypeVar("T")
+SchemaT = TypeVar("SchemaT")
 
 
 class RunDirError(ConfigError):
@@ -62,8 +62,8 @@ MOVED_KEYS = {
 }
 
 
-def load_config(schema: type[T], path: str | Path | None = None,
-                overrides: Sequence[str] = (), *, saved: bool = False) -> T:
+def load_config(schema: type[SchemaT], path: str | Path | None = None,
+                overrides: Sequence[str] = (), *, saved: bool = False) -> SchemaT:
     """The `schema` instance from a YAML file and `key.sub=value` overrides (later wins).
     `saved`: the file is a run's config.yaml, written maybe by an earlier version: keys of
     REMOVED_KEYS are dropped from it, those of MOVED_KEYS moved."""
@@ -78,8 +78,8 @@ def load_config(schema: type[T], path: str | Path | None = None,
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
         sources.append((key, lambda item=item: OmegaConf.from_dotlist([item])))
     # unsafe_merge: merged into `merged` in place, each source's nodes moved, not copied
-    # (OmegaConf.merge deep-copies the whole tree at every source: 0.12 s a config of ~14
-    # sources, 5x this). Every source is read fresh here and used once.
+    # (OmegaConf.merge deep-copies the whole tree at every source; benchmarks/README.md,
+    # "Host-side setup costs"). Every source is read fresh here and used once.
     for where, read in sources:
         try:
             merged = OmegaConf.unsafe_merge(merged, read())
@@ -95,7 +95,7 @@ def load_config(schema: type[T], path: str | Path | None = None,
 
 @functools.cache
 def _structured(schema: type) -> DictConfig:
-    """`schema`'s defaults as an OmegaConf tree, made once (a copy of it is 4x cheaper than
+    """`schema`'s defaults as an OmegaConf tree, made once (copying it is cheaper than
     building it again from the dataclasses)."""
     return OmegaConf.structured(schema)
 

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.config_base import fail, require_at_least
+from jaxrl.models.load_settings import LoadSettings
 from jaxrl.models.lora_config import LoraConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -35,6 +36,13 @@ class ModelSection:
     # Activation memory vs FLOPs of the backward pass: "block" keeps only each decoder
     # block's input and recomputes its forward, "save_dots" keeps the weight matmul outputs.
     remat: Literal["none", "block", "save_dots"] = "none"
+
+    def load_settings(self) -> LoadSettings:
+        """How the policy loads (`jaxrl.models.hf_io.load_policy`): this section's dtypes and
+        compute choices."""
+        return LoadSettings(dtype=self.dtype, compute_dtype=self.compute_dtype,
+                          scan_layers=self.scan_layers, attention_impl=self.attention_impl,
+                          remat=self.remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +99,10 @@ class TrainModelSection(ModelSection):
 
     init: InitSection = dataclasses.field(default_factory=InitSection)
     lora: LoraConfig | None = None  # jaxrl.models.lora_config: its keys and checks
+
+    def load_settings(self) -> LoadSettings:
+        """`ModelSection.load_settings` with the run's LoRA adapters."""
+        return dataclasses.replace(super().load_settings(), lora=self.lora)
 
 
 @dataclasses.dataclass(frozen=True)

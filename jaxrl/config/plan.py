@@ -1,5 +1,7 @@
 """`plan(cfg, ...)`: how a run's step is assembled, decided once from its config and printed
-once (`RunPlan.describe`); nothing later changes it (the step takes `plan.mode` as given).
+once (`RunPlan.describe`); the run keeps it (`Run.plan`), the step's one factory makes its
+rollout source from it (`jaxrl.step.builder.build_step`), and whatever depends on the mode
+asks it, never the config or the source again.
 
     algo.mode    fused   one program (rollout, rewards, updates); with Python rewards on
                          several processes: split (each process scores its own rows between
@@ -25,17 +27,42 @@ Mode = Literal["fused", "split", "async"]
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """How the step is assembled: its `mode`, the environment of a multi-turn run (None:
-    single-turn), whether an async rollout takes in-flight weight updates, and why the mode
-    differs from `algo.mode` (None: it does not)."""
+    single-turn), whether an async rollout takes in-flight weight updates, how many batches
+    it makes ahead (`max_staleness`, 0 unless async), and why the mode differs from
+    `algo.mode` (None: it does not)."""
 
     mode: Mode
     env: str | None = None
     inflight: bool = False
     why: str | None = None
+    max_staleness: int = 0
+
+    @property
+    def fused(self) -> bool:
+        """The rollout is traced into the step's one program."""
+        return self.mode == "fused"
+
+    @property
+    def keeps_queue(self) -> bool:
+        """Batches are made ahead on a rollout sub-mesh and saved with checkpoints."""
+        return self.mode == "async"
+
+    @property
+    def multiturn(self) -> bool:
+        """An environment answers the turns; the host drives the decode loop (no compiled
+        rollout program to count FLOPs of)."""
+        return self.env is not None
 
     def describe(self) -> str | None:
         """The line the run prints once when the mode is not the one asked for."""
         return None if self.why is None else f"[bold]algo.mode[/]: {self.mode} ({self.why})"
+
+
+def splits_devices(cfg: ExperimentConfig) -> bool:
+    """Whether the run generates and trains on two sub-meshes (algo.mode=async). The meshes
+    are made before the rewards are known, so this part of the plan is read from the config
+    alone; `plan` never turns a run into or out of async."""
+    return cfg.algo.mode == "async"
 
 
 def plan(cfg: ExperimentConfig, *, env: str | None, python_rewards: bool,
@@ -61,4 +88,6 @@ def plan(cfg: ExperimentConfig, *, env: str | None, python_rewards: bool,
         if mode == "fused":
             mode, why = "split", (f"{turns}: the host runs the environments between turns, "
                                   f"which one compiled program cannot; same updates")
-    return RunPlan(mode, env, cfg.rollout.inflight_updates and mode == "async", why)
+    is_async = splits_devices(cfg)
+    return RunPlan(mode, env, cfg.rollout.inflight_updates and is_async, why,
+                   cfg.algo.max_staleness if is_async else 0)

@@ -22,7 +22,9 @@ class RolloutSection(Generation):
     checks there. The trainer scores every token at `sampling.temperature`, the distribution
     it was sampled from."""
 
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # besides the EOS ids
+    # The user's stop ids, besides the EOS ids: they end a completion (the sampler's
+    # `SamplerConfig.end_token_ids`), in a multi-turn run a turn (`MultiTurnConfig.turn_end_token_ids`).
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     # No stop tokens at all, EOS included: every training completion has exactly
     # max_new_tokens tokens (benchmarks; vLLM's ignore_eos). Evaluation still stops at EOS.
     ignore_eos: bool = False

@@ -20,9 +20,9 @@ batch of B prompts; `PromptBatches` gathers the arrays. Chosen by `data.curricul
       w_i = floor + (1 - floor) * v_i      otherwise
 
   with floor = 0.3, so solved and unsolvable prompts are still revisited now and then. A low
-  floor (0.05 was tried) concentrates the steps on a few prompts, which training then drives
+  floor (such as 0.05) concentrates the steps on a few prompts, which training then drives
   to zero variance itself: on the quickstart it raised the zero-variance fraction above
-  uniform sampling's, while 0.3 lowers it by about 40% (benchmarks/README.md). The
+  uniform sampling's, while 0.3 lowers it by about 40% (benchmarks/README.md, "Curriculum"). The
   prompts of the LAG - 1 draws whose results are still pending get the floor too: they were
   just trained on, so their signal is unknown, and drawing them again at once would train on
   the same prompts step after step. When

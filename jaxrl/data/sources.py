@@ -86,8 +86,8 @@ def require_columns(rows: datasets.Dataset, columns: Mapping[str, str], what: st
 
 
 def column(rows: datasets.Dataset, name: str) -> list:
-    """A column's values as a list, in one Arrow conversion: iterating `rows[name]` converts
-    row by row (20,000 quickstart prompts: 0.6 s against 5 ms; datasets 4's `Column`)."""
+    """A column's values as a list, in one Arrow conversion: iterating `rows[name]` (datasets
+    4's `Column`) converts row by row (benchmarks/README.md, "Host-side setup costs")."""
     return list(rows[name][:])  # a list whatever format `rows` has (a numpy array, say)
 
 

@@ -37,15 +37,16 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     # character tokenizer): a tokenizer saved as the generic class loads as that class.
     config_file = path / "tokenizer_config.json"
     try:
+        saved = None
         if config_file.is_file():
             saved = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
-            if saved in _GENERIC_CLASSES:
-                return PreTrainedTokenizerFast.from_pretrained(str(path))
-        # Imported here: AutoTokenizer's module imports transformers' model configuration,
-        # which imports torch whenever it is installed (seconds of every command's start).
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
+        if saved in _GENERIC_CLASSES:
+            tokenizer_class = PreTrainedTokenizerFast
+        else:
+            # Imported here: AutoTokenizer's module imports transformers' model configuration,
+            # which imports torch whenever it is installed (seconds of every command's start).
+            from transformers import AutoTokenizer as tokenizer_class
+        return tokenizer_class.from_pretrained(str(path))
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
         # A corrupted tokenizer.json raises the tokenizers library's Exception (a ValueError
         # subclass on current versions); a missing vocab file an OSError.
@@ -82,8 +83,8 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *,
     rendered = [render_prompt(tokenizer, t, chat_template, tools) for t in texts]
     # A chat template already places BOS and friends; plain text gets the usual specials.
     add_special = not (chat_template and tokenizer.chat_template)
-    # One batch call: a fast tokenizer encodes the batch in Rust (20,000 quickstart prompts:
-    # 0.7 s against 1.8 s one `encode` at a time); the ids are the same.
+    # One batch call: a fast tokenizer encodes the batch in Rust, faster than one `encode` at
+    # a time, with the same ids (benchmarks/README.md, "Host-side setup costs").
     encoded = tokenizer(rendered, add_special_tokens=add_special)["input_ids"]
     for text, ids in zip(texts, encoded, strict=True):
         if not ids:

@@ -4,12 +4,11 @@ compilation cache (when one is configured: JAX_COMPILATION_CACHE_DIR).
 JAX stores compiled programs from process 0 only: on a TPU or GPU cluster every process
 computes the same cache key, so the others read what process 0 wrote, and one writer spares a
 shared filesystem. On CPU the key hashes the host's device topology, whose fingerprint
-differs per process (jax 0.10.2: two processes, one `psum`, two keys), so a process other
-than process 0 never finds its programs and compiles every one of them on every run, while
-process 0, reading its own from the cache, waits for it in the first collective.
-`launch/local_multiprocess.sh` runs and SLURM jobs on CPU are such runs. Measured (jax
-0.10.2, 2 cores, a 3-step two-process quickstart run from a warm cache): 28 s and 46 CPU-s
-before, 15 s and 27 CPU-s with each process writing its own entries.
+differs per process (jax 0.10.2), so a process other than process 0 never finds its
+programs and compiles every one of them on every run, while process 0, reading its own from
+the cache, waits for it in the first collective. `launch/local_multiprocess.sh` runs and
+SLURM jobs on CPU are such runs (the time saved: benchmarks/README.md, "Host-side setup
+costs").
 
 So each non-zero CPU process writes its entries too, under the conditions JAX applies to
 process 0 (no host callbacks, at least the minimum compile time; a failed write only warns).

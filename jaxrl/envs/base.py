@@ -10,11 +10,12 @@ samples keep decoding; they must not share mutable state between samples.
 
 The contract the rollout checks at every turn (`observation_problem`): `step` returns an
 `Observation`, its `reward` is None or a finite number, its `text` None or a str, its `ids`
-None or token ids inside the model's vocabulary; and `step` returns within the run's time
-limit (`data.env_timeout_s`). A broken one ends the run with `EnvFailure`, whose one-line
-message names the environment, the row and turn, and what was expected: a user's plugin is
-found out by name instead of training silently on garbage (an id past the vocabulary would
-be clamped by the embedding lookup) or hanging.
+None or token ids inside the model's vocabulary, its text encoded to such ids too
+(`encoded_problem`); and `step` returns within the run's time limit (`data.env_timeout_s`).
+A broken one ends the run with `EnvFailure`, whose one-line message names the environment,
+the row and turn, and what was expected: a user's plugin is found out by name instead of
+training silently on garbage (an id past the vocabulary would be clamped by the embedding
+lookup) or hanging.
 """
 
 from __future__ import annotations
@@ -109,6 +110,18 @@ def observation_problem(obs: object, vocab_size: int | None = None) -> str | Non
             return (f"Observation.ids must be token ids in [0, {vocab_size}) (the model's "
                     f"vocabulary), got {bad[:5].tolist()}")
     return None
+
+
+def encoded_problem(ids: Sequence[int], vocab_size: int | None) -> str | None:
+    """What the token ids an observation's text encodes to break: ids outside the model's
+    vocabulary, from a tokenizer that knows tokens the model's embedding has no row for (the
+    lookup would clamp them silently); None when nothing (or `vocab_size` None)."""
+    bad = [i for i in ids if not 0 <= i < vocab_size] if vocab_size else []
+    if not bad:
+        return None
+    return (f"Observation.text encodes to token ids outside [0, {vocab_size}) (the model's "
+            f"vocabulary): {bad[:5]}; the tokenizer knows tokens the model's embedding has "
+            f"no row for")
 
 
 def observation_ids(obs: Observation, encode: Callable[[str], list[int]],

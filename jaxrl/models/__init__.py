@@ -7,11 +7,12 @@ from jaxrl.models.config import (
     RopeScaling,
     UnsupportedModelError,
 )
-from jaxrl.models.hf_io import CheckpointError, from_pretrained, save_pretrained
+from jaxrl.models.hf_io import CheckpointError, from_pretrained, load_policy, save_pretrained
+from jaxrl.models.load_settings import LoadSettings
 from jaxrl.models.transformer import KVCache, Transformer, default_positions
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "CheckpointError", "KVCache", "ModelConfig", "PagedKV", "RopeScaling",
-    "Transformer", "UnsupportedModelError", "default_positions", "from_pretrained",
-    "save_pretrained",
+    "SUPPORTED_MODEL_TYPES", "CheckpointError", "KVCache", "LoadSettings", "ModelConfig", "PagedKV",
+    "RopeScaling", "Transformer", "UnsupportedModelError", "default_positions", "from_pretrained",
+    "load_policy", "save_pretrained",
 ]

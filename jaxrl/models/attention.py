@@ -225,9 +225,9 @@ class Attention(nnx.Module):
 
     def _output(self, out_BxTxKxGxH):
         """The output projection as one 2-D contraction over the heads' features (n·h): with
-        n and h as two contracted axes XLA:CPU matched their order to the decode attention's
-        layout by transposing the whole o kernel in every decode step (4 x 63 copies of
-        [256, 256] in the vs-TRL step); a flat axis fixes the order at no cost (a bitcast)."""
+        n and h as two contracted axes XLA:CPU matches their order to the decode attention's
+        layout by transposing the whole o kernel in every decode step (benchmarks/README.md,
+        "Fourth sitting"); a flat axis fixes the order at no cost (a bitcast)."""
         cfg = self.config
         b, t, k, g, h = out_BxTxKxGxH.shape
         out_BxTxE = dense(out_BxTxKxGxH.reshape(b, t, k * g * h),

@@ -17,7 +17,7 @@ is rotated left by its p_b leading pads (q, k, v after RoPE, so positions are un
 real query t lands at i = t - p_b, key s at j = s - p_b, and the causal mask j <= i with
 window i - j < w is exactly s <= t, t - s < w. A real query never reads past itself, and its
 keys p_b..t are all real *provided the real tokens of a row are contiguous* (left pads, real
-tokens, then only invalid ones: `phases.train_batch` concatenates the left-padded prompt mask
+tokens, then only invalid ones: `phases.update_batch` concatenates the left-padded prompt mask
 and the completion mask, which is 1 up to EOS and 0 after). The p_b pads wrapped to the end
 sit after every real query, so no sequence lengths are needed; each rotated query row
 attends at least to its own key, so no row is empty and no output is NaN. The output is

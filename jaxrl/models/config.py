@@ -17,19 +17,15 @@ from typing import Any, Literal, get_args
 import jax
 
 from jaxrl.models.attention_kernels import resolve_attention_impl
+from jaxrl.models.families import (
+    ARCHITECTURES,
+    MOE_MODEL_TYPES,
+    QK_NORM_MODEL_TYPES,
+    QKV_BIAS_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    attention_switches,
+)
 from jaxrl.models.lora_config import ATTENTION_MODULES, LoraConfig
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 # The attention kernel of the uncached forward (`jaxrl.models.attention_kernels`): "auto" is
@@ -191,11 +187,6 @@ class ModelConfig:
                                                                           lambda hf: {})(hf)
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        attention_bias = bool(hf.get("attention_bias", False))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = attention_bias
         sliding_window = None
         if model_type in ("mistral", "mixtral"):
             sliding_window = hf.get("sliding_window")
@@ -217,9 +208,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **attention_switches(model_type, bool(hf.get("attention_bias", False))),
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=_token_ids(hf.get("eos_token_id")),
@@ -233,17 +222,17 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict that transformers reads back as the same architecture."""
-        if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
+        if self.model_type in QKV_BIAS_MODEL_TYPES and (not self.qkv_bias or self.o_bias):
             raise UnsupportedModelError("qwen2 checkpoints always have q/k/v bias and no o bias")
         if self.model_type in ("llama", "mistral", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
             raise UnsupportedModelError(
                 f"{self.model_type} has one attention_bias switch for q/k/v and o; "
                 f"got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
             )
-        if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe")):
+        if self.qk_norm != (self.model_type in QK_NORM_MODEL_TYPES):
             raise UnsupportedModelError(f"qk_norm={self.qk_norm} cannot be written as {self.model_type}")
         hf: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -295,18 +284,18 @@ def tiny_config(model_type: str, **overrides: Any) -> ModelConfig:
     fields: dict[str, Any] = dict(
         model_type=model_type, vocab_size=96, hidden_size=32, intermediate_size=64,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
-        rope_theta=10_000.0, max_position_embeddings=128,
+        rope_theta=10_000.0, max_position_embeddings=128, **attention_switches(model_type),
     )
     if model_type == "llama":
         fields.update(rope_theta=500_000.0, rope_scaling=RopeScaling(
             factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=16))
     elif model_type == "qwen2":
-        fields.update(qkv_bias=True, tie_word_embeddings=True, rope_theta=1_000_000.0)
+        fields.update(tie_word_embeddings=True, rope_theta=1_000_000.0)
     elif model_type == "qwen3":
-        fields.update(qk_norm=True, tie_word_embeddings=True, head_dim=16)
+        fields.update(tie_word_embeddings=True, head_dim=16)
     elif model_type == "qwen3_moe":
-        fields.update(qk_norm=True, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        fields.update(head_dim=16, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=16, norm_topk_prob=True)
     elif model_type == "mistral":
         fields.update(sliding_window=4)

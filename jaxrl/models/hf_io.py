@@ -35,15 +35,16 @@ from safetensors.numpy import save_file
 from jaxrl.models import hf_names
 from jaxrl.models.attention_kernels import resolve_attention_impl
 from jaxrl.models.config import AttentionImpl, ModelConfig, Remat, UnsupportedModelError
-from jaxrl.models.lora_config import LoraConfig
+from jaxrl.models.load_settings import LoadSettings
 from jaxrl.models.lora_merge import merged_params
 from jaxrl.models.transformer import Transformer
 from jaxrl.sharding.rules import AxisRules, state_shardings
 
-CONFIG_FILE = "config.json"
+HF_CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = ("float32", "bfloat16", "float16")
+_DEFAULT_LOAD = LoadSettings()  # the checkpoint's dtypes, no scan, auto attention, no remat
 _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 
 
@@ -52,44 +53,36 @@ class CheckpointError(ValueError):
     do not match the architecture its config.json describes."""
 
 
-def from_pretrained(
-    path: str | Path,
-    *,
-    dtype: str | jnp.dtype | None = None,
-    compute_dtype: str | jnp.dtype | None = None,
-    mesh: Mesh | None = None,
-    rules: AxisRules | None = None,
-    scan_layers: bool = False,
-    attention_impl: AttentionImpl = "auto",
-    remat: Remat = "none",
-    lora: LoraConfig | None = None,
-) -> Transformer:
-    """Loads an HF model directory, each tensor straight onto its sharding under `rules`.
+def load_policy(path: str | Path, load: LoadSettings = _DEFAULT_LOAD, *,
+                mesh: Mesh | None = None, rules: AxisRules | None = None) -> Transformer:
+    """Loads an HF model directory as `load` says, each tensor straight onto its sharding
+    under `rules`.
 
-    `dtype` (parameters) defaults to the checkpoint's `torch_dtype`, `compute_dtype` to
-    `dtype`. Without a mesh the model lives unsharded on `jax.local_devices()[0]`. `scan_layers`,
-    `attention_impl` and `remat` are the runtime policy of `ModelConfig`; `attention_impl` is
-    resolved for the platform of the mesh's devices (an impossible choice is a ValueError).
-    With `lora` the model gets new adapters (A drawn from `lora.seed`, B = 0) on the loaded base.
+    `load.dtype` (parameters) defaults to the checkpoint's `torch_dtype`, `compute_dtype` to
+    `dtype`. Without a mesh the model lives unsharded on `jax.local_devices()[0]`.
+    `attention_impl` is resolved for the platform of the mesh's devices (an impossible choice
+    is a ValueError). With `load.lora` the model gets new adapters (A drawn from `lora.seed`,
+    B = 0) on the loaded base.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-    config_file = path / CONFIG_FILE
+    config_file = path / HF_CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(
-            f"no {CONFIG_FILE} in {str(path)!r}: expected an HF model directory "
-            f"({CONFIG_FILE} plus {SINGLE_FILE} or {INDEX_FILE})")
+            f"no {HF_CONFIG_FILE} in {str(path)!r}: expected an HF model directory "
+            f"({HF_CONFIG_FILE} plus {SINGLE_FILE} or {INDEX_FILE})")
     if mesh is not None and rules is None:
-        raise ValueError("from_pretrained(mesh=...) also needs rules= to place parameters, "
+        raise ValueError("loading onto a mesh also needs rules= to place parameters, "
                          "e.g. rules=load_layout('fsdp').train_rules")
-    param_dtype = None if dtype is None else _dtype_name(dtype)
-    compute_dtype = None if compute_dtype is None else _dtype_name(compute_dtype)
-    config = _read_config(config_file, param_dtype, compute_dtype, scan_layers, attention_impl,
-                          remat)
+    param_dtype = None if load.dtype is None else _dtype_name(load.dtype)
+    compute_dtype = None if load.compute_dtype is None else _dtype_name(load.compute_dtype)
+    lora = load.lora
+    config = _read_config(config_file, param_dtype, compute_dtype, load.scan_layers,
+                          load.attention_impl, load.remat)
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     config = dataclasses.replace(config, attention_impl=resolve_attention_impl(
-        attention_impl, platform=platform, compute_dtype=config.compute_dtype,
+        load.attention_impl, platform=platform, compute_dtype=config.compute_dtype,
         head_dim=config.head_dim), lora=lora)
 
     def build():
@@ -128,6 +121,13 @@ def from_pretrained(
                 names, variables, nnx.to_flat_state(shardings), strict=True)
         ]
     return nnx.merge(graphdef, adapters, nnx.from_flat_state(loaded))
+
+
+def from_pretrained(path: str | Path, *, mesh: Mesh | None = None,
+                    rules: AxisRules | None = None, **load: Any) -> Transformer:
+    """`load_policy(path, LoadSettings(**load), mesh=mesh, rules=rules)`: the `LoadSettings`
+    fields as keywords, in the Hugging Face spelling (`dtype="bfloat16"`, say)."""
+    return load_policy(path, LoadSettings(**load), mesh=mesh, rules=rules)
 
 
 def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -178,7 +178,7 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
         for old in path.iterdir():
             if _WEIGHT_FILE.fullmatch(old.name):
                 old.unlink()
-        _write_json(path / CONFIG_FILE, hf_config)
+        _write_json(path / HF_CONFIG_FILE, hf_config)
         generation = {k: v for k, v in hf_config.items()
                       if k in ("bos_token_id", "eos_token_id") and v is not None}
         if generation:
@@ -208,7 +208,7 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
 def read_config(path: str | Path, *, dtype: str | jnp.dtype | None = None) -> ModelConfig:
     """The ModelConfig of an HF model directory's config.json, parameters in `dtype` (None:
     the checkpoint's), without reading any weight (what a memory check needs first)."""
-    return _read_config(Path(path) / CONFIG_FILE, None if dtype is None else _dtype_name(dtype),
+    return _read_config(Path(path) / HF_CONFIG_FILE, None if dtype is None else _dtype_name(dtype),
                         None, False, "auto", "none")
 
 

@@ -17,13 +17,14 @@ that reads only live blocks: the slots, longest first, are cut in chunks of C
 (`chunk_slots`), and block i is gathered only for the chunks holding a slot that reaches it.
 A free slot (length 0) or a block past a slot's last page is never gathered unless its chunk
 holds a slot that needs that block: a step gathers sum_i ceil(live_i / C) C blocks (live_i:
-slots reaching block i), not S x the longest slot's blocks (free slots cost 2-10x the live
-KV that way). Within a chunk, scores past a slot's length are -inf; a fully masked block
-changes nothing (exp(-inf) = 0, the correction exp(m - m) = 1), so a slot's output is the
-same bits whatever the other slots' lengths and C. A slot of length 0 gets zeros. `unroll`
-runs every block for every chunk in a Python loop instead (the same outputs): the program's
-work as if every slot reached the table's last page, loop-free, for XLA's cost analysis
-(which counts a while body once; `jaxrl.step.rollout_programs`).
+slots reaching block i), not S x the longest slot's blocks (free slots would cost several
+times the live KV that way: benchmarks/README.md, "Only live KV read"). Within a chunk,
+scores past a slot's length are -inf; a fully masked block changes nothing (exp(-inf) = 0,
+the correction exp(m - m) = 1), so a slot's output is the same bits whatever the other
+slots' lengths and C. A slot of length 0 gets zeros. `unroll` runs every block for every
+chunk in a Python loop instead (the same outputs): the program's work as if every slot
+reached the table's last page, loop-free, for XLA's cost analysis (which counts a while body
+once; `jaxrl.step.rollout_programs`).
 `pallas` calls the TPU kernel (TPU only).
 """
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 
 from jaxrl.sharding.rules import active_rules
 
-AttentionImpl = Literal["xla", "pallas"]
+PagedAttentionImpl = Literal["xla", "pallas"]
 
 
 def write_token_kv(kv_pages_LxPxTx2KxH: jax.Array, layer: jax.Array, k_SxKxH: jax.Array,
@@ -59,7 +60,7 @@ def write_token_kv(kv_pages_LxPxTx2KxH: jax.Array, layer: jax.Array, k_SxKxH: ja
 def ragged_decode_attention(q_SxNxH: jax.Array, kv_pages_LxPxTx2KxH: jax.Array,
                             layer: jax.Array, page_table_SxM: jax.Array, length_S: jax.Array,
                             *, scale: float, sliding_window: int | None = None,
-                            pages_per_block: int = 8, impl: AttentionImpl = "xla",
+                            pages_per_block: int = 8, impl: PagedAttentionImpl = "xla",
                             slots_per_chunk: int | None = None, unroll: bool = False
                             ) -> jax.Array:
     """out_SxNxH: each slot's query over its first length_S[s] cached tokens (see above);
@@ -164,9 +165,8 @@ def _kv_heads_split() -> bool:
 
 def chunk_slots(num_slots: int) -> int:
     """C: the slots the XLA path gathers a block for at once: an eighth of them, at least 8
-    (each chunk is one more loop trip per layer: fewer, larger chunks where slots are few).
-    CPU, 64 slots of long-tailed rows (benchmarks/README.md, static batching, one process):
-    13.39 s with one chunk of all 64, 10.42 s with chunks of 8."""
+    (each chunk is one more loop trip per layer: fewer, larger chunks where slots are few;
+    against one chunk of all slots: benchmarks/README.md, "Only live KV read")."""
     return min(num_slots, max(8, -(-num_slots // 8)))
 
 

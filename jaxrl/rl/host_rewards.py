@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxrl.rl.reward_types import PythonReward
 
-logger = logging.getLogger("jaxrl.rewards")
+rewards_logger = logging.getLogger("jaxrl.rewards")
 
 EXCERPT_CHARS = 60  # of a prompt or completion in an error's text
 
@@ -45,8 +45,9 @@ class RewardErrors:
             if name in self._texts:
                 return
             self._texts[name] = text
-        logger.error("%s; the sample gets 0 and counts in reward/errors (only the first "
-                     "failure of each reward is logged)%s", text, f"\n{details}" if details else "")
+        rewards_logger.error("%s; the sample gets 0 and counts in reward/errors (only the "
+                             "first failure of each reward is logged)%s", text,
+                             f"\n{details}" if details else "")
 
     @property
     def by_reward(self) -> dict[str, str]:

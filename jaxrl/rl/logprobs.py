@@ -59,7 +59,7 @@ def token_entropy(logits_BxTxV: jax.Array, temperature: float = 1.0) -> jax.Arra
     probs_BxTxV = jnp.exp(logits_BxTxV - lse_BxT[..., None])
     # A -inf logit (a token masked out) has p = 0; p · l would be 0 · -inf = NaN. Raised to
     # the lowest float instead, p · l is 0 there: an elementwise max, which XLA:CPU fuses into
-    # the sum (a select on isfinite was written out as a [B, T, V] array of its own first).
+    # the sum (a select on isfinite would be written out as a [B, T, V] array of its own).
     floor = jnp.finfo(jnp.float32).min
     return lse_BxT - jnp.sum(probs_BxTxV * jnp.maximum(logits_BxTxV, floor), axis=-1)
 

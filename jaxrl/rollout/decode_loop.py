@@ -1,8 +1,8 @@
 """The RL driver of the engine: a batch of rows planned, begun, advanced and read out.
 
-    plan_    = plan(model.config, engine_config, P, L, B, C, stop_ids, sampling)   static
-    progress = begin(model, plan_, prompts, row_keys_B, limit_B, ...)  prefill, first tokens
-    progress = advance(model, plan_, progress, row_keys_B)             decode until all end
+    setup    = decode_setup(model.config, engine_config, P, L, B, C, stop_ids, sampling)   static
+    progress = begin(model, setup, prompts, row_keys_B, limit_B, ...)  prefill, first tokens
+    progress = advance(model, setup, progress, row_keys_B)             decode until all end
     rollout  = to_rollout(progress.out, prompts, G, progress.slot_steps)
 
 `advance` is one `lax.while_loop` over the engine's ops (`jaxrl.rollout.slots`): whenever
@@ -35,7 +35,7 @@ from jaxrl.models import Transformer
 from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import slots
 from jaxrl.rollout.pages import PoolLayout, own_pages
-from jaxrl.rollout.settings import Attention, Batching, EngineConfig, SamplingParams
+from jaxrl.rollout.settings import Batching, EngineConfig, PagedAttentionSettings, SamplingParams
 from jaxrl.rollout.slot_count import max_concurrent_decodes, slot_tiers, tail_min_slots
 from jaxrl.rollout.types import Rollout, SamplerConfig, row_keys, row_limits
 from jaxrl.sharding import constrain, use_rules
@@ -43,9 +43,9 @@ from jaxrl.sharding.rules import active_rules
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class DecodeSetup:
     """The static part of one rollout: its pool, engine settings (attention resolved), group
-    size, stop tokens and sampling; `plan` makes it from the shapes of the call."""
+    size, stop tokens and sampling; `decode_setup` makes it from the shapes of the call."""
 
     layout: PoolLayout
     config: EngineConfig
@@ -58,9 +58,10 @@ class Plan:
         return slots.Stops(row_ids=tuple(self.stop_token_ids))
 
 
-def plan(model_config, config: EngineConfig, num_prompts: int, prompt_len: int, num_rows: int,
-         max_new_tokens: int, stop_token_ids: tuple[int, ...], sampling: SamplingParams) -> Plan:
-    """The `Plan` of `num_rows` rows of `num_prompts` prompts up to `prompt_len` tokens."""
+def decode_setup(model_config, config: EngineConfig, num_prompts: int, prompt_len: int,
+                 num_rows: int, max_new_tokens: int, stop_token_ids: tuple[int, ...],
+                 sampling: SamplingParams) -> DecodeSetup:
+    """The `DecodeSetup` of `num_rows` rows of `num_prompts` prompts up to `prompt_len` tokens."""
     num_slots = max_concurrent_decodes(config, num_rows)
     layout = PoolLayout.plan(page_size=config.page_size, num_prompts=num_prompts,
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens,
@@ -68,7 +69,7 @@ def plan(model_config, config: EngineConfig, num_prompts: int, prompt_len: int, 
     config = dataclasses.replace(config, attention=resolve_impl(
         config.attention, model_config, num_slots=num_slots, num_pages=layout.num_pages,
         page_size=layout.page_size, table_width=layout.table_width))
-    return Plan(layout, config, num_rows // num_prompts, tuple(stop_token_ids), sampling)
+    return DecodeSetup(layout, config, num_rows // num_prompts, tuple(stop_token_ids), sampling)
 
 
 @struct.dataclass
@@ -103,23 +104,23 @@ class InProgress:
         return (self.next_ >= self.num_queued) & ~jnp.any(self.state.live_S)
 
 
-def begin(model: Transformer, plan_: Plan, prompt_ids_PxL: jax.Array,
+def begin(model: Transformer, setup: DecodeSetup, prompt_ids_PxL: jax.Array,
           prompt_mask_PxL: jax.Array, row_keys_B: jax.Array, limit_B: jax.Array,
           max_new_tokens: int, pad_token_id: int, home_B: jax.Array | None = None
           ) -> InProgress:
     """An empty pool, the prompts prefilled into their home pages and every row's first token
     drawn; no decode iteration run yet. `home_B`: each row's prompt (default: row // G)."""
-    b, c, g = row_keys_B.shape[0], max_new_tokens, plan_.group_size
+    b, c, g = row_keys_B.shape[0], max_new_tokens, setup.group_size
     if home_B is None:
         home_B = jnp.arange(b, dtype=jnp.int32) // g
-    state = slots.init(model.config, plan_.layout, max_concurrent_decodes(plan_.config, b))
+    state = slots.init(model.config, setup.layout, max_concurrent_decodes(setup.config, b))
     prefix = slots.prefill(model, prompt_ids_PxL, prompt_mask_PxL)
     num_prompts = prefix.length_P.shape[0]
-    state = slots.write_prompts(state, plan_.layout, prefix.kv_LxPxLx2KxH, prefix.length_P,
+    state = slots.write_prompts(state, setup.layout, prefix.kv_LxPxLx2KxH, prefix.length_P,
                                 jnp.arange(num_prompts, dtype=jnp.int32))
     token_B, logp_B, logp_raw_B = slots.first_tokens(
-        prefix.logits_PxV[home_B], jax.random.key_data(row_keys_B), plan_.sampling)
-    done_B, _ = plan_.stops.ends(token_B, 0, 1, limit_B)
+        prefix.logits_PxV[home_B], jax.random.key_data(row_keys_B), setup.sampling)
+    done_B, _ = setup.stops.ends(token_B, 0, 1, limit_B)
     out = Outputs(jnp.full((b, c), pad_token_id, jnp.int32).at[:, 0].set(token_B),
                   jnp.zeros((b, c), bool).at[:, 0].set(True),
                   jnp.zeros((b, c), jnp.float32).at[:, 0].set(logp_B),
@@ -154,15 +155,15 @@ def admit(progress: InProgress, layout: PoolLayout, batching: Batching
     return slot_row_S, next_ + k
 
 
-def _insert(progress: InProgress, plan_: Plan, row_keys_B: jax.Array) -> InProgress:
-    slot_row_S, next_ = admit(progress, plan_.layout, plan_.config.batching)
+def _insert(progress: InProgress, setup: DecodeSetup, row_keys_B: jax.Array) -> InProgress:
+    slot_row_S, next_ = admit(progress, setup.layout, setup.config.batching)
     row_S = jnp.maximum(slot_row_S, 0)
     home_S = progress.home_B[row_S]
     zeros = jnp.zeros(row_S.shape, jnp.float32)  # a row's first log-probs are in the outputs
     starts = slots.Starts(slot_row_S, home_S, progress.length_P[home_S], progress.first_B[row_S],
                           zeros, zeros, jax.random.key_data(row_keys_B)[row_S],
                           progress.limit_B[row_S])
-    return progress.replace(state=slots.insert(progress.state, plan_.layout, starts, plan_.stops),
+    return progress.replace(state=slots.insert(progress.state, setup.layout, starts, setup.stops),
                             next_=next_)
 
 
@@ -176,22 +177,22 @@ def _write(out: Outputs, drawn: slots.Drawn) -> Outputs:
                    out.logp_raw_BxC.at[row_S, col_S].set(drawn.logp_raw_S, mode="drop"))
 
 
-def iteration(model: Transformer, plan_: Plan, p: InProgress, row_keys_B: jax.Array,
-              attention: Attention | None = None) -> InProgress:
+def iteration(model: Transformer, setup: DecodeSetup, p: InProgress, row_keys_B: jax.Array,
+              attention: PagedAttentionSettings | None = None) -> InProgress:
     """One decode iteration (the body of `advance`'s loop): the next queued rows into the
     free slots, then one token for every live slot, written into the rows' outputs.
-    `attention`: how the slots read the pool (default the plan's; FLOP accounting unrolls
+    `attention`: how the slots read the pool (default the setup's; FLOP accounting unrolls
     it, `jaxrl.step.rollout_programs`)."""
     # Only while rows wait and a slot is free (most iterations skip the bookkeeping).
     p = jax.lax.cond((p.next_ < p.num_queued) & ~jnp.all(p.state.live_S),
-                     lambda p: _insert(p, plan_, row_keys_B), lambda p: p, p)
-    state, drawn = slots.generate(model, p.state, plan_.layout, attention or plan_.config.read,
-                                  plan_.stops, plan_.sampling)
+                     lambda p: _insert(p, setup, row_keys_B), lambda p: p, p)
+    state, drawn = slots.generate(model, p.state, setup.layout, attention or setup.config.read,
+                                  setup.stops, setup.sampling)
     return p.replace(state=state, out=_write(p.out, drawn), steps=p.steps + 1,
                      slot_steps=p.slot_steps + state.row_S.shape[0])
 
 
-def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: jax.Array,
+def advance(model: Transformer, setup: DecodeSetup, progress: InProgress, row_keys_B: jax.Array,
             stop_at: jax.Array | None = None, below: int = 0) -> InProgress:
     """Decode iterations until every row has finished (with `below`: until no row waits and
     at most `below` rows live), or until `stop_at` iterations have run in all."""
@@ -200,7 +201,7 @@ def advance(model: Transformer, plan_: Plan, progress: InProgress, row_keys_B: j
 
     def body(p: InProgress) -> InProgress:
         # NNX transforms reject Variables made at another trace level: a fresh copy here.
-        return iteration(nnx.merge(graphdef, weights, copy=True), plan_, p, row_keys_B)
+        return iteration(nnx.merge(graphdef, weights, copy=True), setup, p, row_keys_B)
 
     def cond(p: InProgress) -> jax.Array:
         work = (p.next_ < num_queued) | (jnp.sum(p.state.live_S) > below)
@@ -222,9 +223,9 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
     own `while_loop`, so one more compiled decode step, and the tail of long rows stops
     paying for free slots."""
     num_prompts, prompt_len = prompt_ids_PxL.shape
-    plan_ = plan(model.config, config, num_prompts, prompt_len, row_keys_B.shape[0],
-                 max_new_tokens, stop_token_ids, sampling)
-    progress = begin(model, plan_, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
+    setup = decode_setup(model.config, config, num_prompts, prompt_len, row_keys_B.shape[0],
+                         max_new_tokens, stop_token_ids, sampling)
+    progress = begin(model, setup, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
                      max_new_tokens, pad_token_id, home_B)
     num_slots = progress.state.row_S.shape[0]
     tiers = slot_tiers(num_slots, tail_min_slots(config, num_slots, max_new_tokens))
@@ -233,7 +234,7 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
             progress = progress.replace(state=slots.shrink(progress.state, num_slots))
         # Tier k runs while rows wait or more rows live than the next tier has slots.
         below = tiers[k + 1] if k + 1 < len(tiers) else 0
-        progress = advance(model, plan_, progress, row_keys_B, below=below)
+        progress = advance(model, setup, progress, row_keys_B, below=below)
     return progress.out, progress.steps, progress.slot_steps
 
 
@@ -332,7 +333,8 @@ def to_rollout(out: Outputs, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Arr
 def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
                       key: jax.Array, config: SamplerConfig,
                       limit_B: jax.Array | None = None) -> Rollout:
-    """`sampler.sample` on the engine: the same Rollout, row for row (pure; call under jit).
+    """`dense_reference.sample_dense` on the engine: the same Rollout, row for row (pure; call
+    under jit).
 
     `limit_B` (int32 [B]) caps each row's new tokens (default: all `config.max_new_tokens`).
     """
@@ -342,7 +344,7 @@ def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask
     limit_B = row_limits(limit_B, keys_B.shape[0], config.max_new_tokens)
     out, _, slot_steps = rollout_on_mesh(
         model, prompt_ids_PxL, prompt_mask_PxL, keys_B, limit_B, config.max_new_tokens,
-        engine_config(config, keys_B.shape[0]), stop_token_ids=config.stop_token_ids,
+        engine_config(config, keys_B.shape[0]), stop_token_ids=config.end_token_ids,
         pad_token_id=config.pad_token_id, sampling=config.sampling)
     return to_rollout(out, prompt_ids_PxL, prompt_mask_PxL, n, slot_steps)
 

@@ -5,7 +5,7 @@
 With `SamplerConfig.engine` set the rows go through the paged, continuous-batching engine
 (`jaxrl.rollout.slots` driven by `jaxrl.rollout.decode_loop`: what training, evaluation and
 `jaxrl generate` use); without it, through the dense reference sampler
-(`jaxrl.rollout.sampler`, the oracle tests check the engine against).
+(`jaxrl.rollout.dense_reference`, the oracle tests check the engine against).
 
 `params` is the policy's `nnx.State` in whatever layout the trainer keeps it. jaxrl's engine
 compiles the sampler once per prompt shape; on a mesh it reshards the weights to the
@@ -26,8 +26,8 @@ from jax.sharding import Mesh
 from jaxrl.models.lora_merge import rollout_view
 from jaxrl.rollout import inflight
 from jaxrl.rollout.decode_loop import sample_continuous
+from jaxrl.rollout.dense_reference import sample_dense
 from jaxrl.rollout.inflight import Partial, constrain_partial
-from jaxrl.rollout.sampler import sample
 from jaxrl.rollout.types import Rollout, SamplerConfig
 from jaxrl.sharding import AxisRules, state_shardings, use_rules
 
@@ -75,7 +75,7 @@ class Sampler:
 
         def run(model, prompts):
             if self.config.engine is None:
-                return sample(model, *prompts, key, self.config)
+                return sample_dense(model, *prompts, key, self.config)
             return sample_continuous(model, *prompts, key, self.config, limits_B)
 
         return self._on_rules(run, params, prompts)

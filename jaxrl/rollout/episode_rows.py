@@ -33,6 +33,8 @@ class MultiTurnRollout:
     reward_B: the environment's last reward, NaN where it gave none. truncated_B: the
       episode ended by max_turns or the token budget, not by the environment or EOS.
     tool_calls_B, tool_errors_B, tool_timeouts_B, tool_latency_s_B: `ToolStats` summed.
+    vocab_errors_B: observations refused for token ids outside the model's vocabulary (the
+      episode ends there, truncated); vocab_error: the first one's message, None when none.
     env_time_s: seconds in `env.step` summed over calls; env_wait_s: host seconds with no
       slot to decode because every busy slot waited on its environment; decode_steps: the
       decode steps run; wall_s: the whole call.
@@ -49,6 +51,8 @@ class MultiTurnRollout:
     tool_errors_B: np.ndarray
     tool_timeouts_B: np.ndarray
     tool_latency_s_B: np.ndarray
+    vocab_errors_B: np.ndarray
+    vocab_error: str | None
     env_time_s: float
     env_wait_s: float
     decode_steps: int
@@ -75,6 +79,7 @@ class Row:
         self.tools = np.zeros(4)  # calls, errors, timeouts, latency_s
         self.truncated = False
         self.eos = False
+        self.vocab_error: str | None = None  # an observation refused: ids past the vocabulary
 
     def add(self, token, is_obs, logp=0.0, logp_raw=0.0):
         self.ids.append(int(token))
@@ -112,4 +117,6 @@ def assemble(rows: list[Row], ids_BxP, mask_BxP, config, env_time: float, env_wa
         truncated_B=np.array([r.truncated for r in rows], bool),
         tool_calls_B=tools[:, 0].astype(np.int32), tool_errors_B=tools[:, 1].astype(np.int32),
         tool_timeouts_B=tools[:, 2].astype(np.int32), tool_latency_s_B=tools[:, 3],
+        vocab_errors_B=np.array([r.vocab_error is not None for r in rows], np.int32),
+        vocab_error=next((r.vocab_error for r in rows if r.vocab_error is not None), None),
         env_time_s=env_time, env_wait_s=env_wait, decode_steps=decode_steps, wall_s=wall_s)

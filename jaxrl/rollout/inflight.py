@@ -44,9 +44,9 @@ from jaxrl.rollout.decode_loop import (
     InProgress,
     advance,
     begin,
+    decode_setup,
     device_share,
     engine_config,
-    plan,
     row_axes,
     to_rollout,
 )
@@ -114,11 +114,11 @@ class _Devices:
         return _unpack(packed, treedef[-1])
 
 
-def _plan(model_config, config: SamplerConfig, num_prompts: int, prompt_len: int,
-          num_rows: int, engine=None):
-    return plan(model_config, engine or engine_config(config, num_rows), num_prompts,
-                prompt_len, num_rows, config.max_new_tokens, config.stop_token_ids,
-                config.sampling)
+def _setup(model_config, config: SamplerConfig, num_prompts: int, prompt_len: int,
+           num_rows: int, engine=None):
+    return decode_setup(model_config, engine or engine_config(config, num_rows), num_prompts,
+                        prompt_len, num_rows, config.max_new_tokens, config.end_token_ids,
+                        config.sampling)
 
 
 def _share(config: SamplerConfig, devices: _Devices, num_rows: int, num_prompts: int):
@@ -135,15 +135,15 @@ def _begin(model: Transformer, config: SamplerConfig, prompt_ids_PxL, prompt_mas
     c, pad = config.max_new_tokens, config.pad_token_id
     devices = _Devices.active(b)
     if devices is None:
-        return begin(model, _plan(model.config, config, num_prompts, width, b), prompt_ids_PxL,
+        return begin(model, _setup(model.config, config, num_prompts, width, b), prompt_ids_PxL,
                      prompt_mask_PxL, keys_B, limit_B, c, pad)
     local, home_B, prompts = _share(config, devices, b, num_prompts)
     graphdef, weights = nnx.split(model)
 
     def one(weights, ids_PxL, mask_PxL, keys_BxK, limit_B, home_B):
         model = nnx.merge(graphdef, weights)
-        plan_ = _plan(model.config, config, ids_PxL.shape[0], width, keys_BxK.shape[0], local)
-        return begin(model, plan_, ids_PxL, mask_PxL, jax.random.wrap_key_data(keys_BxK),
+        setup = _setup(model.config, config, ids_PxL.shape[0], width, keys_BxK.shape[0], local)
+        return begin(model, setup, ids_PxL, mask_PxL, jax.random.wrap_key_data(keys_BxK),
                      limit_B, c, pad, home_B)
 
     rows = P(devices.axes)
@@ -157,7 +157,7 @@ def _advance(model: Transformer, config: SamplerConfig, partial: Partial, keys_B
     (num_prompts, width), b = partial.prompt_ids_PxL.shape, keys_B.shape[0]
     devices = _Devices.active(b)
     if devices is None:
-        return advance(model, _plan(model.config, config, num_prompts, width, b),
+        return advance(model, _setup(model.config, config, num_prompts, width, b),
                        partial.progress, keys_B, stop_at)
     local, _, _ = _share(config, devices, b, num_prompts)
     local_prompts = num_prompts // devices.d if num_prompts % devices.d == 0 else num_prompts
@@ -167,8 +167,8 @@ def _advance(model: Transformer, config: SamplerConfig, partial: Partial, keys_B
 
     def one(weights, keys_BxK, stop_at, packed):
         model = nnx.merge(graphdef, weights)
-        plan_ = _plan(model.config, config, local_prompts, width, keys_BxK.shape[0], local)
-        return advance(model, plan_, _own(_unpack(packed, treedef)),
+        setup = _setup(model.config, config, local_prompts, width, keys_BxK.shape[0], local)
+        return advance(model, setup, _own(_unpack(packed, treedef)),
                        jax.random.wrap_key_data(keys_BxK), stop_at)
 
     specs = (P(None, devices.axes), P(devices.axes))

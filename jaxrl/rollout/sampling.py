@@ -115,7 +115,7 @@ def sample_rows(keys_B: jax.Array, logits_BxV: jax.Array,
     """`sample_tokens`, run per device on its own rows when a mesh is active.
 
     Rows are independent, but XLA partitions `lax.top_k` by gathering every row's logits
-    onto every device (measured: an all-gather of [B, V] per decode step); under
+    onto every device (an all-gather of [B, V] per decode step); under
     `shard_map` each device samples its rows from the full vocabulary it holds.
     """
     active = active_rules()

@@ -2,11 +2,14 @@
 
     layout         = pool_layout(slots, max_prefill_length, max_new_tokens, page_size)
     state          = slots.init(model_config, layout, slots)
-    prefix         = prefill(model, ids_L, n, key, ...)    a prompt's keys/values and its
-                                                           first token
-    state          = insert(state, prefix, slot, layout)   the slot starts that request
-    state, sent    = generate(model, state, layout, ...)   per slot: the token drawn before,
-                                                           emitted now; the next one drawn
+    prefix      = prefill_request(model, ids_L, n, key, ...)   a prompt's keys/values and
+                                                               its first token
+    state       = insert_request(state, prefix, slot, layout)  the slot starts that request
+    state, sent = emit_and_generate(model, state, layout, ...) per slot: the token drawn
+                                                               before, emitted now; the
+                                                               next one drawn
+
+(JetStream's Engine calls these three `prefill`, `insert` and `generate`.)
 
 Pure JAX, no JetStream: `jaxrl.serve` wraps these in JetStream's Engine, on a mesh each
 device running them on its own slots and pool (`jaxrl.rollout.slots_on_mesh`). The ops are the
@@ -75,9 +78,8 @@ def slots_that_fit(model_config, *, memory_bytes: int, weight_bytes: int,
     return fit if cap is None else min(cap, fit)
 
 
-def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Array,
-            sampling: SamplingParams, max_new_tokens: int
-            ) -> Request:
+def prefill_request(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Array,
+                    sampling: SamplingParams, max_new_tokens: int) -> Request:
     """A right-padded prompt (`length` real tokens of `ids_L`) through the model once, as
     the RL loop's prefill runs a left-padded one (the same numbers), and its first token
     drawn with fold_in(key, 0): the prompt's keys/values and the request as a row to start."""
@@ -89,17 +91,18 @@ def prefill(model: Transformer, ids_L: jax.Array, length: jax.Array, key: jax.Ar
     return prefix, slots.one_row(prefix, jax.random.key_data(key), max_new_tokens, sampling)
 
 
-def insert(state: slots.SlotState, prefix: Request, slot: jax.Array,
-           layout: PoolLayout, stops: slots.Stops) -> slots.SlotState:
+def insert_request(state: slots.SlotState, prefix: Request, slot: jax.Array,
+                   layout: PoolLayout, stops: slots.Stops) -> slots.SlotState:
     """The slot starts the prefix's request: its keys/values into the slot's home pages,
     its first token pending (whatever the slot held before gives its pages back)."""
     kv, request = prefix
     return slots.insert_home(state, layout, kv, request, slot, stops)
 
 
-def generate(model: Transformer, state: slots.SlotState, layout: PoolLayout,
-             stops: slots.Stops, sampling: SamplingParams, attention: slots.Attention
-             ) -> tuple[slots.SlotState, slots.Sent]:
+def emit_and_generate(model: Transformer, state: slots.SlotState, layout: PoolLayout,
+                      stops: slots.Stops, sampling: SamplingParams,
+                      attention: slots.PagedAttentionSettings
+                      ) -> tuple[slots.SlotState, slots.Sent]:
     """Every slot with a token drawn and not yet emitted emits it; every decoding slot
     feeds its last token and draws the next."""
     state, sent = slots.take_pending(state)

@@ -1,5 +1,5 @@
 """The settings of the engine, apart from the engine: how a token is drawn (`SamplingParams`),
-how the slots read the page pool (`Attention`) and how a rollout batches and pages
+how the slots read the page pool (`PagedAttentionSettings`) and how a rollout batches and pages
 (`EngineConfig`). Plain frozen dataclasses checked when made; the config sections are them
 (`rollout.sampling`, `rollout.engine`, `eval.sampling`, `serve.sampling`: `jaxrl.config`)
 without importing the engine. Their messages name the field alone (`top_k must be ...`): the
@@ -33,7 +33,7 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class Attention:
+class PagedAttentionSettings:
     """How `generate` reads the pool: `xla` (gathers blocks of pages) or `pallas` (TPU);
     `unroll`: the XLA path's loop over blocks unrolled over every block, the same outputs
     (what FLOP accounting compiles: XLA's cost analysis counts a while body once)."""
@@ -88,15 +88,15 @@ class EngineConfig:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
 
     @property
-    def read(self) -> Attention:
-        return Attention(self.attention, self.pages_per_block)
+    def read(self) -> PagedAttentionSettings:
+        return PagedAttentionSettings(self.attention, self.pages_per_block)
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """What a rollout draws for each prompt: `num_generations` samples (the GRPO group), each
     turn at most `max_new_tokens` tokens drawn as `sampling` says, batched and paged as
-    `engine` says (None: the dense reference sampler, `jaxrl.rollout.sampler`). Multi-turn
+    `engine` says (None: the dense reference sampler, `jaxrl.rollout.dense_reference`). Multi-turn
     (`jaxrl.step.multiturn_rollout`): at most `max_turns` policy turns, whose tokens and the
     observations between them fit `completion_budget` (`max_total_tokens`; None: max_turns x
     max_new_tokens); a single-turn call draws one turn.

@@ -9,7 +9,7 @@ from jaxrl.rollout.settings import EngineConfig
 def max_concurrent_decodes(config: EngineConfig, num_rows: int) -> int:
     """The decode slots of a rollout of `num_rows` rows: `max_slots` (None: every row), at
     most the rows, at least 2: with one row XLA's dots take their matrix-vector path, which
-    rounds differently (measured on CPU: 2e-6 in log-probs); from 2 slots up a row's numbers
+    rounds differently (fp32 roundoff in log-probs); from 2 slots up a row's numbers
     do not depend on the slot count, and a spare slot just stays free."""
     return max(2, num_rows if config.max_slots is None else min(config.max_slots, num_rows))
 
@@ -22,11 +22,8 @@ def tail_min_slots(config: EngineConfig, num_slots: int, max_new_tokens: int) ->
     with: the config's, or for "auto" down to max(2, S / 32) (at most five halvings, each a
     compiled decode loop) when the batching is continuous and rows may run `TAIL_TOKENS`
     tokens or more; None (no halving) otherwise: short rows leave no tail to halve, and
-    each halving costs a compile.
-
-    CPU, 64 long-tailed rows (`benchmarks/decode.py --lengths longtail --length-median 32
-    --max-new-tokens 256 --batch 64`, one process, best of 7): halving down to 2 slots took
-    5.59 s, down to 4 6.08 s, static batching 9.82 s; in another run no halving 10.24 s."""
+    each halving costs a compile. Why down to 2 rather than 4: benchmarks/README.md, "Rollout
+    engine details"."""
     if config.min_slots != "auto":
         return config.min_slots
     if config.batching != "continuous" or max_new_tokens < TAIL_TOKENS:

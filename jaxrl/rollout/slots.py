@@ -49,7 +49,7 @@ from flax import struct
 from jaxrl.models import KVCache, PagedKV, Transformer, default_positions
 from jaxrl.rollout.pages import FreePages, PoolLayout, give_back, own_pages, take
 from jaxrl.rollout.sampling import sample_rows
-from jaxrl.rollout.settings import Attention, SamplingParams
+from jaxrl.rollout.settings import PagedAttentionSettings, SamplingParams
 from jaxrl.sharding import constrain
 
 # The pool's logical axes: its KV heads split as the model's attention reads them.
@@ -315,8 +315,9 @@ def _draw(state: SlotState, logits_SxV, index_S, sampling):
     return sample_rows(keys_S, logits_SxV, sampling)
 
 
-def generate(model: Transformer, state: SlotState, layout: PoolLayout, attention: Attention,
-             stops: Stops, sampling: SamplingParams) -> tuple[SlotState, Drawn]:
+def generate(model: Transformer, state: SlotState, layout: PoolLayout,
+             attention: PagedAttentionSettings, stops: Stops, sampling: SamplingParams
+             ) -> tuple[SlotState, Drawn]:
     """Every live slot feeds its token at its position, attending over its own pages only,
     and draws the next (free slots compute nothing that is kept)."""
     live_S, pos_S, t = state.live_S, state.pos_S, layout.page_size

@@ -24,7 +24,7 @@ one device's pool) and its own free stack; page ids in a page table or on a free
 the device's own (0 .. N-1). Each device's free count is one entry of `FreePages.count`, [D]
 here (a scalar in the engine's ops). A slot's tokens do not depend on D (its key is its own);
 a device with one slot decodes it with matrix-vector products, which round differently from
-two or more (`slot_count.max_concurrent_decodes`; measured on CPU: 2e-6 in log-probs).
+two or more (`slot_count.max_concurrent_decodes`: fp32 roundoff in log-probs).
 
 Collectives per decode step (`on_each`): none over the batch axes, which are manual here
 (each device decodes its own slots with its own copy of the weights: the shipped rollout

@@ -20,11 +20,12 @@ from jaxrl.rollout.settings import Generation
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig(Generation):
     """What one `generate` call produces: a `Generation` (made from the config's rollout
-    section by `SamplerConfig.of(cfg.rollout, ...)`), stopping at `stop_token_ids` (EOS
-    included) and padding with `pad_token_id`. A single-turn call ignores `max_turns` and
+    section by `SamplerConfig.of(cfg.rollout, ...)`), a completion ending at any of
+    `end_token_ids` (the EOS ids and the config's `rollout.stop_token_ids`) and padded with
+    `pad_token_id`. A single-turn call ignores `max_turns` and
     `max_total_tokens` (multi-turn's: `jaxrl.step.multiturn_rollout`)."""
 
-    stop_token_ids: tuple[int, ...] = ()
+    end_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
 
 

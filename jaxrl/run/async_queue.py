@@ -33,14 +33,15 @@ from jaxrl.rollout.inflight import split_ways
 from jaxrl.saved.checkpoint import Checkpoints
 from jaxrl.step.asynchronous import Produced, QueuedRollouts
 
-Drawn = dict[int, tuple[np.ndarray, dict[str, float]]]  # step -> (positions_B, data metrics)
+DrawNotes = dict[int, tuple[np.ndarray, dict[str, float]]]  # step -> (positions_B, data metrics)
 
 
 def _entry(tree: Any) -> dict[str, Any]:
     return {f"leaf_{j}": x for j, x in enumerate(jax.tree.leaves(tree))}
 
 
-def queue_checkpoint(step: QueuedRollouts, drawn: Drawn) -> tuple[dict[str, Any], dict[str, Any]]:
+def queue_checkpoint(step: QueuedRollouts, drawn: DrawNotes
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arrays, JSON) of `step`'s pending batches for `Checkpoints.save(queue=...)`; `drawn`
     holds the loop's notes of each pending step's draw."""
     pending = step.pending()
@@ -64,7 +65,7 @@ def queue_entries(checkpoints: Checkpoints, at: int) -> list[dict[str, Any]]:
 
 
 def restore_queue(checkpoints: Checkpoints, at: int, entries: list[dict[str, Any]],
-                  abstract: dict[str, Any]) -> tuple[list[Produced], Drawn]:
+                  abstract: dict[str, Any]) -> tuple[list[Produced], DrawNotes]:
     """(pending batches, their draws) of checkpoint `at` whose `queue_entries` are
     `entries`, the arrays in the layout of `abstract` (`QueuedRollouts.abstract_entries`: what
     `Produced.saved` holds of a made batch, and of one in flight)."""

@@ -11,9 +11,10 @@
                 which prompts each step takes chosen by `data.curriculum`
     plan        how the step is assembled (`jaxrl.config.plan`), decided once from the config,
                 the environment and the rewards, before the weights load: a combination
-                that cannot run is refused within seconds
-    step        the learner with the plan's rollout source (in-graph, jitted, queued on the
-                rollout mesh, or multi-turn episodes) over a donated train state
+                that cannot run is refused within seconds; the run keeps it (`Run.plan`)
+                and everything that depends on the mode asks it
+    step        the learner with the plan's rollout source (`build_step`: in-graph, jitted,
+                queued on the rollout mesh, or multi-turn episodes) over a donated train state
 
 Nothing here runs a step; a bad value (a missing column, a prompt set that does not fit)
 fails here, before anything compiles.
@@ -40,13 +41,13 @@ from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.config.algo import resolve_logprob_chunk
-from jaxrl.config.plan import RunPlan, plan
+from jaxrl.config.plan import RunPlan, plan, splits_devices
 from jaxrl.data.curriculum import LAG, make_prompt_sampler
-from jaxrl.data.prompts import PromptBatch, PromptBatches, PromptSource
+from jaxrl.data.prompts import PromptBatch, PromptBatches
 from jaxrl.data.tasks.registry import Task, make_task
 from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, rollout_stop_ids, stop_token_ids
 from jaxrl.distributed import broadcast
-from jaxrl.models import ModelConfig, Transformer, from_pretrained
+from jaxrl.models import ModelConfig, Transformer, load_policy
 from jaxrl.models.hf_io import read_config
 from jaxrl.models.lora import adapter_params
 from jaxrl.perf import format_bytes, memory_limit
@@ -56,7 +57,7 @@ from jaxrl.run.episodes import (
     env_rewards,
     env_spec,
     make_episodes,
-    prompt_tools,
+    task_prompts,
 )
 from jaxrl.run.init_policy import init_model, save_hf
 from jaxrl.run.placement import Placed, Placement
@@ -65,9 +66,8 @@ from jaxrl.sharding import Layout, make_mesh, resolve_layout
 from jaxrl.sharding.layout import LayoutError
 from jaxrl.sharding.submeshes import split_devices
 from jaxrl.step.asynchronous import QueuedRollouts
-from jaxrl.step.builder import Step
-from jaxrl.step.multiturn import EpisodeRollouts
-from jaxrl.step.sources import InGraph, Jitted, RolloutSource
+from jaxrl.step.builder import Step, build_step
+from jaxrl.step.multiturn import Episodes
 from jaxrl.step.state import reference_params, train_state_from_model
 
 
@@ -84,9 +84,16 @@ class Run:
     model_config: ModelConfig
     batches: PromptBatches
     placement: Placement
+    plan: RunPlan
     step: Step
     ref_params: nnx.State | None  # the frozen KL reference (algo.loss.beta > 0), else None
     rollout_mesh: Mesh | None = None  # algo.mode=async: the generating devices (`mesh` trains)
+    episodes: Episodes | None = None  # multi-turn: the environments answering the turns
+
+    @property
+    def queue(self) -> QueuedRollouts | None:
+        """The batches made ahead of training (`plan.keeps_queue`: async), else None."""
+        return self.step.source if self.plan.keeps_queue else None
 
     @property
     def num_devices(self) -> int:
@@ -147,7 +154,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
         console.print(run_plan.describe())
     model = _load_policy(cfg, model_path, mesh, layout)
     _describe(cfg, model, mesh, layout, rollout_mesh, rollout_layout, console)
-    batches, placement = _prompt_batches(cfg, task, tokenizer, spec, mesh, layout, console)
+    batches, placement = _prompt_batches(cfg, run_plan, task, tokenizer, mesh, layout, console)
     ts = train_state_from_model(
         model, cfg.optim, mesh, layout.train_rules,
         critic=cfg.algo.critic if cfg.algo.advantage == "gae" else None,
@@ -155,10 +162,13 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
                                if cfg.algo.loss.entropy_target is not None else None))
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
-    step = _step(cfg, run_plan, graphdef, nnx.graphdef(ts.model), model.config, tokenizer, task,
-                 rewards, (mesh, layout), (rollout_mesh, rollout_layout))
+    episodes = None if run_plan.env is None else make_episodes(
+        cfg, run_plan.env, task, tokenizer, stop_token_ids(tokenizer, model.config, ()),
+        model.config.vocab_size)
+    step = _step(cfg, run_plan, graphdef, nnx.graphdef(ts.model), model.config, tokenizer,
+                 rewards, episodes, (mesh, layout), (rollout_mesh, rollout_layout))
     run = Run(cfg, run_dir, mesh, layout, tokenizer, task, model.config, batches, placement,
-              step, ref_params, rollout_mesh)
+              run_plan, step, ref_params, rollout_mesh, episodes)
     return run, state
 
 
@@ -183,11 +193,7 @@ def _load_policy(cfg: ExperimentConfig, model_path: Path, mesh: Mesh, layout: La
     """The policy loaded from `model_path` straight into the train layout."""
     if cfg.model.lora is not None:
         _check_lora_fits(cfg, model_path, mesh)
-    return from_pretrained(model_path, dtype=cfg.model.dtype,
-                           compute_dtype=cfg.model.compute_dtype, mesh=mesh,
-                           rules=layout.train_rules, scan_layers=cfg.model.scan_layers,
-                           attention_impl=cfg.model.attention_impl, remat=cfg.model.remat,
-                           lora=cfg.model.lora)
+    return load_policy(model_path, cfg.model.load_settings(), mesh=mesh, rules=layout.train_rules)
 
 
 def _describe(cfg: ExperimentConfig, model: Transformer, mesh: Mesh, layout: Layout,
@@ -221,17 +227,16 @@ def _describe(cfg: ExperimentConfig, model: Transformer, mesh: Mesh, layout: Lay
                       "set algo.loss.tis_cap (e.g. 2.0) or algo.loss.correction=decoupled")
 
 
-def _prompt_batches(cfg: ExperimentConfig, task: Task, tokenizer: PreTrainedTokenizerBase,
-                    spec: str | None, mesh: Mesh, layout: Layout, console: Console
+def _prompt_batches(cfg: ExperimentConfig, run_plan: RunPlan, task: Task,
+                    tokenizer: PreTrainedTokenizerBase, mesh: Mesh, layout: Layout,
+                    console: Console
                     ) -> tuple[PromptBatches, Placement]:
     """The tokenized prompt batches (the curriculum choosing each step's prompts, this
     process's rows taken) and how a batch is placed on the mesh."""
     try:
-        batches = PromptSource(
-            task.train_rows, prompt_column="prompt", field_columns=task.field_columns,
-            chat_template=cfg.data.chat_template, max_prompt_len=cfg.data.max_prompt_len,
-            batch_size=cfg.data.batch_size, seed=cfg.train.seed,
-            tools=prompt_tools(cfg, spec)).build(tokenizer)
+        batches = task_prompts(cfg, task, task.train_rows, run_plan.env,
+                               batch_size=cfg.data.batch_size,
+                               seed=cfg.train.seed).build(tokenizer)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data: {e}") from None
     try:
@@ -243,7 +248,7 @@ def _prompt_batches(cfg: ExperimentConfig, task: Task, tokenizer: PreTrainedToke
             cfg.data.curriculum, batches.num_prompts, batches.batch_size, batches.seed,
             difficulty_N=difficulty_N, group_size=cfg.rollout.num_generations,
             # Async mode draws batches max_staleness steps before their turn.
-            lag=LAG + (cfg.algo.max_staleness if cfg.algo.mode == "async" else 0)))
+            lag=LAG + run_plan.max_staleness))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"data.curriculum={cfg.data.curriculum}: {e}") from None
     placement = Placement(mesh, layout.train_rules, task, tokenizer)
@@ -259,30 +264,23 @@ def _prompt_batches(cfg: ExperimentConfig, task: Task, tokenizer: PreTrainedToke
 
 def _step(cfg: ExperimentConfig, run_plan: RunPlan, graphdef: nnx.GraphDef,
           model_graphdef: nnx.GraphDef, model_config: ModelConfig,
-          tokenizer: PreTrainedTokenizerBase, task: Task, rewards: RewardSet,
+          tokenizer: PreTrainedTokenizerBase, rewards: RewardSet, episodes: Episodes | None,
           train: tuple[Mesh, Layout], rollout: tuple[Mesh | None, Layout]) -> Step:
     """The run's step: the learner, with the rollout source of the run's plan."""
     (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
     sampler_config = SamplerConfig.of(
-        cfg.rollout, stop_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
+        cfg.rollout, end_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
         pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(model_graphdef, sampler_config, mesh=rollout_mesh or mesh,
                       rules=rollout_layout.rollout_rules)
     algo = dataclasses.replace(cfg.algo, logprob_chunk_size=resolve_logprob_chunk(
         cfg.algo.logprob_chunk_size, model_config.vocab_size))
-    if run_plan.env is not None:
-        source: RolloutSource = EpisodeRollouts(
-            sampler, make_episodes(cfg, run_plan.env, task, tokenizer, stop_token_ids(
-                tokenizer, model_config, ())),
-            env_rewards=any(r.name == "env" for r in rewards.rewards))
-    elif run_plan.mode == "async":
-        source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_layout.rollout_rules),
-                                max_staleness=algo.max_staleness,
-                                inflight_updates=run_plan.inflight)
-    else:
-        source = InGraph(sampler) if run_plan.mode == "fused" else Jitted(sampler)
-    return Step(algo, graphdef, source, rewards, optim=cfg.optim, mesh=mesh,
-                rules=layout.train_rules, phase_times=_phase_times(cfg, mesh))
+    return build_step(
+        algo, graphdef, sampler, rewards, plan=run_plan, optim=cfg.optim, mesh=mesh,
+        rules=layout.train_rules,
+        rollout=None if rollout_mesh is None else (rollout_mesh, rollout_layout.rollout_rules),
+        episodes=episodes, env_rewards=any(r.name == "env" for r in rewards.rewards),
+        phase_times=_phase_times(cfg, mesh))
 
 
 def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
@@ -290,7 +288,7 @@ def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
     (the rollout mesh None), or in async mode the devices split by sharding.rollout_devices,
     each side laid out by its own preset (`auto` resolved for its own device count)."""
     section = cfg.sharding
-    if cfg.algo.mode != "async":
+    if not splits_devices(cfg):
         layout = resolve_layout(section.layout)
         return layout, make_mesh(layout), layout, None
     if jax.device_count() < 2:
@@ -313,9 +311,9 @@ def _meshes(cfg: ExperimentConfig) -> tuple[Layout, Mesh, Layout, Mesh | None]:
 def _check_lora_fits(cfg: ExperimentConfig, model_path: Path, mesh: Mesh) -> None:
     """Refuses LoRA adapters that, with the frozen base and Adam's two moments of the
     adapters, cannot fit the devices' memory (perf.memory_limit_gib, else the devices') even
-    spread evenly, before any is drawn: `from_pretrained` draws them in one program, and a
-    rank of 10^6 on the quickstart (2.8 billion adapter parameters) took 7 GB and then the
-    OOM killer, not an error. (What the step needs is the compiled step's check.)"""
+    spread evenly, before any is drawn: loading draws them in one program, so an oversized
+    rank would end in the OOM killer, not an error. (What the step needs is the compiled
+    step's check.)"""
     lora = cfg.model.lora
     try:
         config = read_config(model_path, dtype=cfg.model.dtype)

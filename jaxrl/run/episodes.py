@@ -14,6 +14,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from jaxrl.config import ConfigError, ExperimentConfig
+from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tasks.task import Task
 from jaxrl.data.tokenizer import pad_token_id
 from jaxrl.envs.base import EnvFailure
@@ -85,8 +86,12 @@ def env_rewards(spec: str, task: Task) -> list[JaxReward]:
 
 
 def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
-                  tokenizer: PreTrainedTokenizerBase, eos_ids: tuple[int, ...]) -> Episodes:
-    """The environments and turn limits of the run's multi-turn rollout."""
+                  tokenizer: PreTrainedTokenizerBase, eos_ids: tuple[int, ...],
+                  vocab_size: int | None = None) -> Episodes:
+    """The environments and turn limits of the run's multi-turn rollout. With the policy's
+    `vocab_size`, the ids that end a turn or an episode must be inside its vocabulary (a
+    ConfigError before step 0 otherwise; an observation's ids past it are counted during
+    the steps, `jaxrl.step.multiturn_rollout`)."""
     tools = cfg.data.tools
     try:
         builder = resolve_env(spec)
@@ -105,14 +110,16 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
         make_environment(make_env, rows, 0, spec=spec)
     except EnvFailure as e:
         raise ConfigError(str(e)) from None
-    r = cfg.rollout
-    b = cfg.data.batch_size * r.num_generations
-    stops = (*end_tag_ids(spec, tools, tokenizer), *r.stop_token_ids)
-    config = MultiTurnConfig(
-        Generation.of(r), num_slots=min(r.engine.max_slots or b, b),
-        stop_token_ids=tuple(dict.fromkeys(stops)),
-        eos_token_ids=() if r.ignore_eos else tuple(eos_ids),
-        pad_token_id=pad_token_id(tokenizer), env_timeout_s=cfg.data.env_timeout_s)
+    config = multiturn_config(cfg, end_tag_ids(spec, tools, tokenizer), eos_ids,
+                              pad_token_id(tokenizer))
+    outside = sorted({i for i in (*config.turn_end_token_ids, *config.eos_token_ids)
+                      if vocab_size is not None and not 0 <= i < vocab_size})
+    if outside:
+        raise ConfigError(
+            f"data.env={spec!r}: the token ids that end a turn or an episode (the tool "
+            f"format's end tags, rollout.stop_token_ids, EOS) include {outside}, outside the "
+            f"policy's vocabulary [0, {vocab_size}): the policy could never sample them; use "
+            f"a tokenizer that matches model.path, or other rollout.stop_token_ids")
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -121,6 +128,32 @@ def make_episodes(cfg: ExperimentConfig, spec: str, task: Task,
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     return Episodes(make_env, rows, encode, decode, config, spec)
+
+
+def multiturn_config(cfg: ExperimentConfig, end_tags: tuple[int, ...],
+                     eos_ids: tuple[int, ...], pad_id: int) -> MultiTurnConfig:
+    """The run's multi-turn rollout settings: the rollout section's limits and engine, a turn
+    ending at the tool format's `end_tags` or `rollout.stop_token_ids`, an episode at the
+    `eos_ids` (none with `rollout.ignore_eos`), every row of a batch in a slot unless
+    `rollout.engine.max_slots` says fewer."""
+    r = cfg.rollout
+    b = cfg.data.batch_size * r.num_generations
+    return MultiTurnConfig(
+        Generation.of(r), num_slots=min(r.engine.max_slots or b, b),
+        turn_end_token_ids=tuple(dict.fromkeys((*end_tags, *r.stop_token_ids))),
+        eos_token_ids=() if r.ignore_eos else tuple(eos_ids), pad_token_id=pad_id,
+        env_timeout_s=cfg.data.env_timeout_s)
+
+
+def task_prompts(cfg: ExperimentConfig, task: Task, rows, spec: str | None, *, batch_size: int,
+                 seed: int) -> PromptSource:
+    """The task's `rows` as the run's prompts (training's and evaluation's alike): its
+    fields carried along, rendered and limited as `data` says, with the tool schemas of the
+    run's environment `spec` in the chat template."""
+    return PromptSource(rows, prompt_column="prompt", field_columns=task.field_columns,
+                        chat_template=cfg.data.chat_template,
+                        max_prompt_len=cfg.data.max_prompt_len, batch_size=batch_size,
+                        seed=seed, tools=prompt_tools(cfg, spec))
 
 
 class RowView:

@@ -46,10 +46,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config import EvalSection
-from jaxrl.data.prompts import PromptSource
 from jaxrl.data.tokenizer import stop_token_ids
 from jaxrl.rollout import Rollout, Sampler, SamplerConfig
-from jaxrl.run.episodes import RowView, env_spec, prompt_tools
+from jaxrl.run.episodes import RowView, env_spec, task_prompts
 from jaxrl.saved.files import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
@@ -102,25 +101,19 @@ class Evaluator:
             raise ValueError(f"data.task={task.name} has no held-out prompts to evaluate on")
         self.cfg, self.placement = cfg, run.placement
         rows = task.eval_rows(cfg.num_prompts, cfg.seed)
-        data = run.cfg.data
-        self.prompts = PromptSource(rows, prompt_column="prompt",
-                                    field_columns=task.field_columns,
-                                    chat_template=data.chat_template,
-                                    max_prompt_len=data.max_prompt_len,
-                                    batch_size=1, seed=cfg.seed,
-                                    tools=prompt_tools(run.cfg, env_spec(run.cfg, task)),
-                                    ).build(run.tokenizer)
+        self.prompts = task_prompts(run.cfg, task, rows, env_spec(run.cfg, task), batch_size=1,
+                                    seed=cfg.seed).build(run.tokenizer)
         self.rewards = rewards = task.reward_set(run.tokenizer, rows)
         n = cfg.num_samples
         config = dataclasses.replace(
             run.step.sampler.config, num_generations=n, sampling=cfg.sampling,
-            stop_token_ids=stop_token_ids(run.tokenizer, run.model_config,
-                                          run.cfg.rollout.stop_token_ids))
+            end_token_ids=stop_token_ids(run.tokenizer, run.model_config,
+                                         run.cfg.rollout.stop_token_ids))
         self.sampler = _sampler(run.step.sampler.graphdef, config, run.mesh,
                                 run.layout.rollout_rules)
         self._episodes = None
-        if run.step.source.episodes is not None:  # the same environments, on held-out rows
-            episodes = run.step.source.episodes
+        if run.episodes is not None:  # the same environments, on held-out rows
+            episodes = run.episodes
             slots = min(episodes.config.num_slots, cfg.batch_size * n)
             self._episodes = dataclasses.replace(
                 episodes, rows=RowView(rows),

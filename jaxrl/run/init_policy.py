@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from jaxrl.config import ConfigError, ExperimentConfig
 from jaxrl.distributed import is_main, sync
 from jaxrl.models import ModelConfig, Transformer, save_pretrained
+from jaxrl.models.families import attention_switches
 from jaxrl.models.layers import INIT_STD
 from jaxrl.perf import device_memory, format_bytes
 from jaxrl.sharding import Layout, create_sharded
@@ -44,8 +45,7 @@ def init_model(cfg: ExperimentConfig, tokenizer: PreTrainedTokenizerBase, path: 
         head_dim=init.hidden_size // init.num_heads,
         max_position_embeddings=cfg.data.max_prompt_len + cfg.rollout.completion_budget,
         tie_word_embeddings=init.tie_word_embeddings, rope_theta=init.rope_theta,
-        qkv_bias=init.family == "qwen2",
-        qk_norm=init.family in ("qwen3", "qwen3_moe"), bos_token_id=tokenizer.bos_token_id,
+        **attention_switches(init.family), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, param_dtype=dtype,
         compute_dtype=cfg.model.compute_dtype or dtype, **_init_moe(init))
     _check_init_fits(cfg, config, mesh)

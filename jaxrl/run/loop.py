@@ -1,11 +1,11 @@
 """`jaxrl train`: start a run from its config, step it with its hooks, finish it.
 
     started = start_run(cfg, ...)    run dir, run, state (restored when resuming), preflight
-    for step, record in Trainer(started, recorder, train_hooks(...)).steps():
-        pass                         each step dispatched, its record made one step late
-                                     (`jaxrl.run.trainer`); the hooks (`jaxrl.run.hooks`):
-                                     preemption, curriculum, progress, the reward and
-                                     non-finite guards, checkpoint, evaluation
+    Trainer(started, recorder, train_hooks(...)).run_steps()
+                                     each step dispatched, its record made one step late
+                                     (`jaxrl.run.trainer`) and handed to the hooks
+                                     (`jaxrl.run.hooks`): preemption, curriculum, progress,
+                                     the reward and non-finite guards, checkpoint, evaluation
     save the final policy, evaluate on held-out prompts, plot, print the summary
 
 The host never waits on the device inside the loop except to fetch metrics one step late
@@ -112,6 +112,5 @@ def _loop(cfg: ExperimentConfig, started: Started, log: MetricsLog, stop: StopRe
     ran to train.max_steps)."""
     trainer = Trainer(started, StepRecorder(started.run, started.pre, log),
                       train_hooks(cfg, started, stop, console), cfg.train.max_steps)
-    for _ in trainer.steps():
-        pass
+    trainer.run_steps()
     return trainer.state, trainer.seconds, trainer.stopped

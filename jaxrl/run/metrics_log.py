@@ -24,7 +24,7 @@ from jaxrl.saved.files import METRICS_FILE, TENSORBOARD_DIR
 
 def _summary_writer() -> type:
     """tensorboardX's SummaryWriter, imported without torch: where torch is installed,
-    tensorboardX imports it (4 s on a 2-core CPU, every `jaxrl` process) only to accept torch
+    tensorboardX imports it (seconds of every `jaxrl` process's start) only to accept torch
     tensors, and a run writes floats. A torch already imported is used as it is."""
     import sys
 

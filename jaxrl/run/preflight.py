@@ -114,7 +114,7 @@ def preflight(run: Run, state: nnx.State, args: tuple[Any, ...], console: Consol
         console.print(f"[yellow]memory[/]: the fit was not checked: {why}")
 
     accounting, count_s = None, 0.0
-    if cfg.perf.count_flops and run.step.source.decodes_on_host:
+    if cfg.perf.count_flops and run.plan.multiturn:
         console.print("[yellow]flops[/]: not counted for multi-turn rollouts (the host drives "
                       "the decode steps): no perf/mfu")
     elif cfg.perf.count_flops:
@@ -166,7 +166,7 @@ ROLLOUT_PROGRAMS = ("generate", "start", "resume", "finish")  # an async step's 
 def _batch_bytes(run: Run, state: nnx.State, args: tuple[Any, ...]) -> int:
     """Per rollout device: the bytes one queued batch of an async step holds (a made rollout
     with its reward inputs, or one in flight with its KV cache, whichever is larger)."""
-    entries = run.step.source.abstract_entries(state, *args)
+    entries = run.queue.abstract_entries(run.step.policy_params(state), *args)
     return max(sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                    for x in jax.tree.leaves(tree)) for tree in entries.values())
 
@@ -174,9 +174,9 @@ def _batch_bytes(run: Run, state: nnx.State, args: tuple[Any, ...]) -> int:
 def _queue_bytes(run: Run, state: nnx.State, args: tuple[Any, ...]) -> int:
     """Per rollout device: the max_staleness batches an async step keeps made ahead beside
     the one its rollout program makes (0 for other steps)."""
-    if not run.step.source.max_staleness:
+    if not run.plan.max_staleness:
         return 0
-    return run.step.source.max_staleness * _batch_bytes(run, state, args)
+    return run.plan.max_staleness * _batch_bytes(run, state, args)
 
 
 def _check_queue(run: Run, state: nnx.State, args: tuple[Any, ...],
@@ -188,7 +188,7 @@ def _check_queue(run: Run, state: nnx.State, args: tuple[Any, ...],
     rollout = [p for p in programs if p.name in ROLLOUT_PROGRAMS]
     if not queue or not rollout or max(p.peak_bytes for p in rollout) <= limit:
         return
-    k = run.step.source.max_staleness
+    k = run.plan.max_staleness
     per_batch = queue // k
     peak = max(p.peak_bytes for p in rollout) - queue
     fit = max(0, (limit - peak) // per_batch)

@@ -89,13 +89,14 @@ def start_run(cfg: ExperimentConfig, name: str, console: Console, *, resumable: 
         args = (*first[1], jax.random.fold_in(key, start_step + len(queued)))
         drawn = {}
         if queued:
-            if not run.step.source.keeps_queue:
+            if run.queue is None:
                 raise RunDirError(f"train.run_dir {str(run.run_dir)!r} holds an algo.mode=async "
                                   f"checkpoint with {len(queued)} batches made ahead; resume "
                                   f"it with algo.mode=async")
             pending, drawn = restore_queue(checkpoints, start_step, queued,
-                                           run.step.source.abstract_entries(state, *args))
-            run.step.source.resume_with(pending, start_step + len(queued))
+                                           run.queue.abstract_entries(
+                                               run.step.policy_params(state), *args))
+            run.queue.resume_with(pending, start_step + len(queued))
             console.print(f"[bold]resume[/]: {len(queued)} batches made before the checkpoint "
                           f"(steps {pending[0].step}..{pending[-1].step}) restored")
         pre = preflight(run, state, args, console, refresh_peak=refresh_peak)

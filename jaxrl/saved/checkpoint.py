@@ -66,8 +66,8 @@ from jaxrl import __version__
 from jaxrl.distributed import is_lost_peer
 from jaxrl.saved.files import CHECKPOINT_DIR, DAMAGED_CHECKPOINT_DIR
 
-logger = logging.getLogger("jaxrl.checkpoint")
-T = TypeVar("T")
+checkpoint_logger = logging.getLogger("jaxrl.checkpoint")
+ReadT = TypeVar("ReadT")
 
 # The TrainState's parts besides model and optimizer that a run may have (PPO's critic).
 _CRITIC_ITEMS = ("critic", "critic_optimizer")
@@ -205,7 +205,7 @@ class Checkpoints:
             raise RestoreError(f"no checkpoints in {self.directory}")
         return found
 
-    def _read(self, read: Callable[[int], T], step: int | None) -> T | None:
+    def _read(self, read: Callable[[int], ReadT], step: int | None) -> ReadT | None:
         """`read(step)`, or `read` of the newest checkpoint it succeeds on, moving the newer
         ones aside (module docstring); None when there are no checkpoints."""
         steps = self.steps()
@@ -241,7 +241,7 @@ class Checkpoints:
                 + "\n  ".join(f"step {bad}: {_why(error)}" for bad, error in failed))
         return None
 
-    def _only(self, step: int, read: Callable[[int], T]) -> T:
+    def _only(self, step: int, read: Callable[[int], ReadT]) -> ReadT:
         """`read(step)`; with several processes a failure is a RestoreError (no fallback)."""
         try:
             return read(step)
@@ -270,8 +270,9 @@ class Checkpoints:
             moved = (f"it could not be moved to {destination} ({_why(e)}): remove it before "
                      f"step {step} is saved again")
         self._manager.reload()
-        logger.warning("checkpoint %d in %s cannot be read: %s; fell back to checkpoint %d (%s)",
-                       step, self.directory, moved, used, _why(error))
+        checkpoint_logger.warning(
+            "checkpoint %d in %s cannot be read: %s; fell back to checkpoint %d (%s)",
+            step, self.directory, moved, used, _why(error))
 
     def _check_base(self, step: int, meta: dict[str, Any]) -> None:
         """Refuses a LoRA checkpoint trained on another base than `self.base`."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from flax import nnx
 
 from jaxrl.config import ConfigError, ExperimentConfig, load_config
-from jaxrl.models import Transformer, from_pretrained
+from jaxrl.models import Transformer, load_policy
 from jaxrl.saved.checkpoint import Checkpoints, RestoreError, base_reference
 from jaxrl.saved.files import CONFIG_FILE, INIT_MODEL_DIR, MARKER_FILE, is_run_dir
 
@@ -32,10 +32,7 @@ def load_run_policy(run_dir: str | Path, step: int | None = None
         raise ConfigError(f"the run's initial model {str(model_dir)!r} (its architecture and "
                           f"tokenizer) is missing")
     # The checkpoint's tree is the one training used: the same dtype and layer stacking.
-    model = from_pretrained(model_dir, dtype=cfg.model.dtype,
-                            compute_dtype=cfg.model.compute_dtype,
-                            scan_layers=cfg.model.scan_layers,
-                            lora=cfg.model.lora)
+    model = load_policy(model_dir, cfg.model.load_settings())
     checkpoints = Checkpoints(run_dir, async_save=False, base=None if cfg.model.lora is None
                               else base_reference(model_dir))
     try:

@@ -35,7 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models import from_pretrained
+from jaxrl.config import ExperimentConfig
+from jaxrl.models import LoadSettings, ModelConfig, load_policy
 from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import serving, slots
 from jaxrl.rollout.engine import to_compute_dtype
@@ -67,7 +68,7 @@ class EngineSpec:
     max_new_tokens: int
     page_size: int
     sampling: SamplingParams
-    stop_token_ids: tuple[int, ...]
+    end_token_ids: tuple[int, ...]  # end a completion: the EOS ids, rollout.stop_token_ids
     tokenizer_dir: str
     chat_template: bool
     buckets: tuple[int, ...]
@@ -75,6 +76,20 @@ class EngineSpec:
     dtype: str = "float32"
     compute_dtype: str = "float32"
     seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, model_config: ModelConfig, *, num_slots: int,
+           end_token_ids: tuple[int, ...], tokenizer_dir: str) -> EngineSpec:
+        """The spec `jaxrl serve` runs: the `serve` section's limits, sampling, prompts and
+        seed; `rollout.engine`'s page size and attention path; the served model's dtypes."""
+        serve, engine = cfg.serve, cfg.rollout.engine
+        return cls(num_slots=num_slots, max_prefill_length=serve.max_prefill_length,
+                   max_new_tokens=serve.max_new_tokens, page_size=engine.page_size,
+                   sampling=serve.sampling, end_token_ids=tuple(end_token_ids),
+                   tokenizer_dir=tokenizer_dir, chat_template=serve.chat_template,
+                   buckets=serve.prefill_buckets(), attention=engine.attention,
+                   dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype,
+                   seed=serve.seed)
 
 
 class JetStreamEngine(engine_api.Engine):
@@ -90,11 +105,11 @@ class JetStreamEngine(engine_api.Engine):
         self.layout = layout = serving.pool_layout(self.split.local_slots,
                                                    spec.max_prefill_length,
                                                    spec.max_new_tokens, spec.page_size)
-        self.attention = slots.Attention(resolve_impl(
+        self.attention = slots.PagedAttentionSettings(resolve_impl(
             spec.attention, self.model_config, num_slots=self.split.local_slots,
             num_pages=layout.num_pages, page_size=layout.page_size,
             table_width=layout.table_width))
-        self._stops = slots.Stops(row_ids=tuple(spec.stop_token_ids))
+        self._stops = slots.Stops(row_ids=tuple(spec.end_token_ids))
         self._key = jax.random.key(spec.seed)
         self._requests = itertools.count()
         self._lock = threading.Lock()
@@ -124,8 +139,8 @@ class JetStreamEngine(engine_api.Engine):
             _, model, _ = load_run_policy(source, step)
             params = nnx.state(model)
         else:
-            params = nnx.state(from_pretrained(source, dtype=self.spec.dtype,
-                                               compute_dtype=self.spec.compute_dtype))
+            params = nnx.state(load_policy(source, LoadSettings(
+                dtype=self.spec.dtype, compute_dtype=self.spec.compute_dtype)))
         return place(params, self.model_config.compute_dtype, self._mesh, self.rules)
 
     # -- the four calls ----------------------------------------------------------------------
@@ -161,19 +176,19 @@ class JetStreamEngine(engine_api.Engine):
 
     def _prefill_traced(self, params, ids_L, length, key):
         with use_rules(self._mesh, self.rules):
-            return serving.prefill(self._model(params), ids_L, length, key, self.spec.sampling,
-                                   self.spec.max_new_tokens)
+            return serving.prefill_request(self._model(params), ids_L, length, key,
+                                           self.spec.sampling, self.spec.max_new_tokens)
 
     def _insert_traced(self, prefix, state, slot):
         return self.split.on_owner(
-            lambda state, slot, prefix: serving.insert(state, prefix, slot, self.layout,
-                                                       self._stops), state, slot, prefix)
+            lambda state, slot, prefix: serving.insert_request(state, prefix, slot, self.layout,
+                                                               self._stops), state, slot, prefix)
 
     def _generate_traced(self, params, state):
         state, sent = self.split.on_each(
-            lambda state, params: serving.generate(self._model(params), state, self.layout,
-                                                   self._stops, self.spec.sampling,
-                                                   self.attention), state, params)
+            lambda state, params: serving.emit_and_generate(
+                self._model(params), state, self.layout, self._stops, self.spec.sampling,
+                self.attention), state, params)
         data_Sx3 = jnp.stack([sent.token_S, sent.valid_S.astype(jnp.int32), sent.index_S + 1],
                              axis=1)
         return state, data_Sx3
@@ -209,7 +224,7 @@ class JetStreamEngine(engine_api.Engine):
 
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> HFTokenizer:
         return HFTokenizer(metadata.path, chat_template=self.spec.chat_template,
-                           stop_ids=self.spec.stop_token_ids, buckets=self.spec.buckets)
+                           stop_ids=self.spec.end_token_ids, buckets=self.spec.buckets)
 
     @property
     def max_concurrent_decodes(self) -> int:

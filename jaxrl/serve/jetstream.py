@@ -1,7 +1,7 @@
 """The one place jaxrl imports JetStream (google-jetstream 0.2.2, the `jetstream` extra).
 
-JetStream 0.2.2 is the last release (its repository is archived, read-only, since
-2026-02-01) and predates two things this module makes up for, once, on import:
+JetStream 0.2.2 is the last release (its repository is archived, read-only) and predates
+two things this module makes up for, once, on import:
 
 - Its orchestrator calls `jax.tree_map`, which JAX has since removed (the call fails, and
   JetStream's driver threads kill the process on any error): `jax.tree_map` is set to
@@ -10,8 +10,8 @@ JetStream 0.2.2 is the last release (its repository is archived, read-only, sinc
   would print JAX's and gRPC's debug logs and a line per decode step: the root logger's
   level and handlers are put back as they were.
 
-Importing it also imports TensorFlow (through seqio, for SentencePiece): ~20 s on 2 CPU
-cores, and a few start-up lines on stderr from its C++ logging, which TF_CPP_MIN_LOG_LEVEL no
+Importing it also imports TensorFlow (through seqio, for SentencePiece): seconds of start-up
+(benchmarks/README.md, "Host-side setup costs"), and a few start-up lines on stderr from its C++ logging, which TF_CPP_MIN_LOG_LEVEL no
 longer silences (checked with TensorFlow 2.21).
 """
 

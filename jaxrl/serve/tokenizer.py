@@ -5,7 +5,7 @@ template when asked for and present, else the tokenizer's own special tokens), s
 completion is the one `jaxrl generate` prints. Prompts are right-padded (JetStream's
 convention) to the next prefill bucket (`ServeSection.prefill_buckets`); one longer than the
 largest is refused, never cut. JetStream's `is_bos` is ignored: the HF tokenizer places
-BOS where its model expects it. The stop tokens are jaxrl's (`stop_token_ids`: the
+BOS where its model expects it. The stop tokens are jaxrl's (`EngineSpec.end_token_ids`: the
 tokenizer's and the model's EOS ids and `rollout.stop_token_ids`), not JetStream's default
 {eos, pad}.
 """

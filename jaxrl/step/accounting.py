@@ -24,8 +24,8 @@ must go). Two variants:
                                                                                -> perf/xla_flops
 
 Both are compiled for the host CPU, on one device, whatever runs the step: XLA's GPU cost
-analysis undercounts fused GEMMs (measured on an H200 with jax 0.11: 0.1-0.6x the matmul
-FLOPs of train programs; jax-ml/jax#22249) and a custom call (cuDNN attention) adds nothing,
+analysis undercounts fused GEMMs (benchmarks/README.md, "GPU check") and a custom
+call (cuDNN attention) adds nothing,
 while the CPU count of the same HLO matches the analytic one. So the counts do not depend on
 the layout (replicated work on a mesh is not counted) and the programs are never run. Layers
 are identical, so a model of L > 2 layers is counted from compiles of 1 and 2 layers,
@@ -56,7 +56,6 @@ from jaxrl.perf import analytic
 from jaxrl.perf.flops import PhaseCount, ProgramCost, StepFlops, extrapolate_layers, program_cost
 from jaxrl.rollout.types import SamplerConfig
 from jaxrl.step.forward import completion_log_probs, completion_values, prompt_group
-from jaxrl.step.phases import microbatch_loss
 from jaxrl.step.rollout_programs import (
     StepShapes,
     analytic_generate,
@@ -66,6 +65,7 @@ from jaxrl.step.rollout_programs import (
     lower_on_host,
 )
 from jaxrl.step.state import TrainState
+from jaxrl.step.updates import microbatch_loss
 from jaxrl.step.value_model import Critic
 
 PER_LAYER = ("prefill", "decode", "logprobs", "grad", "values")  # programs that run the layers

@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.rl import RewardInputs
-from jaxrl.rollout import Prompts, Rollout
+from jaxrl.rollout import Rollout
 from jaxrl.rollout.inflight import Partial
-
-Batch = tuple[Prompts, dict[str, jax.Array], jax.Array, jax.Array]  # prompts, fields, rows, key
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 """Rollout and training on two sub-meshes, batch n trained on a rollout at most k updates old.
 
     rollout_devices, train_devices = split_devices(4)            # jaxrl.sharding.submeshes
-    source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_rules), max_staleness=1)
-    step = Step(cfg, graphdef, source, rewards, optim=optim, mesh=train_mesh, rules=train_rules)
+    source = QueuedRollouts(sampler, clock, rollout=(rollout_mesh, rollout_rules),
+                            train=(train_mesh, train_rules), max_staleness=1)
+    step = Step(cfg, graphdef, source, rewards, clock=clock, mesh=train_mesh, rules=train_rules)
     for n in range(num_steps):
         state, out = step(state, n, batch_of)       # batch_of(m) -> (prompts, fields_P, rows_P, key)
 
@@ -73,22 +74,23 @@ from jaxrl.rollout import Prompts, Sampler
 from jaxrl.rollout.inflight import Partial, partial_shardings
 from jaxrl.sharding import AxisRules, state_shardings
 from jaxrl.sharding.submeshes import move
-from jaxrl.step.async_batches import Batch, Produced, token_staleness
+from jaxrl.step.async_batches import Produced, token_staleness
+from jaxrl.step.clock import PhaseClock
 from jaxrl.step.phases import reward_inputs
-from jaxrl.step.sources import Made, RolloutSource, generate_traced
+from jaxrl.step.sources import Made, MeshRules, RolloutArgs, RolloutSource, generate_traced
 
 
 class QueuedRollouts(RolloutSource):
     """The rollout source of algo.mode=async (module docstring).
 
     `sampler` is built on the rollout mesh with the rollout rules (`rollout`); the step's
-    state (donated) and train program live on the step's mesh, the train side.
+    state (donated) and train program live on the train side (`train`: the step's mesh and
+    train rules), where each made batch is moved.
     """
 
-    keeps_queue = True
-
-    def __init__(self, sampler: Sampler, *, rollout: tuple[Mesh, AxisRules],
-                 max_staleness: int = 1, inflight_updates: bool = False):
+    def __init__(self, sampler: Sampler, clock: PhaseClock | None = None, *,
+                 rollout: MeshRules, train: MeshRules, max_staleness: int = 1,
+                 inflight_updates: bool = False):
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or \
                 max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
@@ -98,6 +100,10 @@ class QueuedRollouts(RolloutSource):
         if inflight_updates and sampler.config.engine is None:
             raise ValueError("inflight_updates needs the engine (SamplerConfig.engine)")
         self.rollout_mesh, self.rollout_rules = rollout
+        self.train_mesh, self.train_rules = train
+        if set(self.train_mesh.devices.flat) & set(self.rollout_mesh.devices.flat):
+            raise ValueError("the train and rollout meshes share devices; split them with "
+                             "jaxrl.sharding.submeshes.split_devices")
         self.max_staleness = max_staleness
         self.inflight = inflight_updates
         # Decode iterations of each piece but a batch's last (which runs to the end).
@@ -105,19 +111,11 @@ class QueuedRollouts(RolloutSource):
         self.queue: collections.deque[Produced] = collections.deque()
         self.next_step = 0  # the next batch to produce
         self.sync_bytes = 0
-        self._watcher = None
-        super().__init__(sampler)
-
-    def bind(self, step) -> None:
-        if step.mesh is None:
-            raise ValueError("an async step needs the train mesh and rules (Step mesh=, rules=)")
-        if set(step.mesh.devices.flat) & set(self.rollout_mesh.devices.flat):
-            raise ValueError("the train and rollout meshes share devices; split them with "
-                             "jaxrl.sharding.submeshes.split_devices")
-        self.clock = step.clock
+        # Whether a stop (SIGTERM, Ctrl-C) was asked for; the training loop sets it.
+        self.stop_requested: Callable[[], bool] = lambda: False
+        super().__init__(sampler, clock)
         self._watcher = (concurrent.futures.ThreadPoolExecutor(1, "jaxrl-weight-sync")
                          if self.clock.enabled else None)
-        super().bind(step)
 
     def use_sampler(self, sampler: Sampler) -> None:
         super().use_sampler(sampler)
@@ -147,12 +145,14 @@ class QueuedRollouts(RolloutSource):
         return rollout, reward_inputs(rollout, fields_P, rows_P,
                                       self.sampler.config.num_generations), version_BxC
 
-    def _rollout_params(self, state: nnx.State) -> nnx.State:
-        return nnx.state(nnx.merge(self.step.graphdef, state).model, nnx.Param)
+    @staticmethod
+    def _rollout_params(params: nnx.State) -> nnx.State:
+        """The parameters of the policy's weights `params` (what generation reads)."""
+        return nnx.filter_state(params, nnx.Param)
 
-    def sync(self, state: nnx.State) -> nnx.State:
-        """The policy's weights, resharded from the train mesh onto the rollout mesh."""
-        params = self._rollout_params(state)
+    def sync(self, params: nnx.State) -> nnx.State:
+        """The policy's parameters, resharded from the train mesh onto the rollout mesh."""
+        params = self._rollout_params(params)
         self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         dispatched = time.perf_counter()
         copy = move(params, state_shardings(params, self.rollout_mesh, self.rollout_rules))
@@ -165,7 +165,7 @@ class QueuedRollouts(RolloutSource):
         self.clock.record("sync_dispatch", dispatched)
         self.clock.record("synced", time.perf_counter())
 
-    def produce(self, params: nnx.State, step: int, version: int, batch: Batch) -> None:
+    def produce(self, params: nnx.State, step: int, version: int, batch: RolloutArgs) -> None:
         """Dispatches generation of batch `step` from `params` (weights after `version`
         updates) and queues it."""
         batch = self._on(self.rollout_mesh, self.rollout_rules, batch)
@@ -211,7 +211,7 @@ class QueuedRollouts(RolloutSource):
             entry.partial = (partial, fields_P, rows_P)
             self._finish_if_due(entry, call)
 
-    def next(self, state: nnx.State, step: int, batch_of: Callable[[int], Batch],
+    def next(self, params: nnx.State, step: int, batch_of: Callable[[int], RolloutArgs],
              layout: Any | None) -> Made:
         """Syncs the weights, makes the batches due (module docstring) and hands over batch
         `step`, moved onto the train mesh, with its staleness metrics."""
@@ -222,7 +222,7 @@ class QueuedRollouts(RolloutSource):
         if not self.queue:
             self.next_step = step
         try:
-            params = self.sync(state)  # `step` updates applied so far (one per step)
+            params = self.sync(params)  # `step` updates applied so far (one per step)
             if self.inflight:
                 self.advance_pieces(params, step)
             while self.next_step <= step + self.max_staleness:
@@ -238,7 +238,8 @@ class QueuedRollouts(RolloutSource):
                        f"step {step - 1}'s")
             raise
         made = self.queue.popleft()
-        rollout, inputs = self._on(self.step.mesh, self.step.rules, (made.rollout, made.inputs))
+        rollout, inputs = self._on(self.train_mesh, self.train_rules,
+                                   (made.rollout, made.inputs))
         if made.version_BxC is None:
             mean = top = float(step - made.version)
         else:  # per token: the version that drew it
@@ -275,19 +276,21 @@ class QueuedRollouts(RolloutSource):
         self.queue = collections.deque(on_rollout_mesh(p) for p in pending)
         self.next_step = next_step
 
-    def _rollout_args(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Batch]:
+    def _rollout_args(self, params: nnx.State, batch: RolloutArgs
+                      ) -> tuple[nnx.State, RolloutArgs]:
         """(weights as the rollout mesh holds them, abstract; `batch` on the rollout mesh):
         the generate program's arguments."""
-        params = self._abstract(self._rollout_params(state), self.rollout_mesh,
+        params = self._abstract(self._rollout_params(params), self.rollout_mesh,
                                 self.rollout_rules)
         return params, self._on(self.rollout_mesh, self.rollout_rules, batch)
 
-    def abstract_entries(self, state: nnx.State, prompts: Prompts, fields_P, rows_P, key
+    def abstract_entries(self, params: nnx.State, prompts: Prompts, fields_P, rows_P, key
                          ) -> dict[str, Any]:
         """Shapes, dtypes and shardings of what `Produced.saved` holds of one batch on the
-        rollout mesh: {"made": (rollout, inputs, version_BxC)}, and with in-flight updates
-        also {"partial": (partial, fields_P, rows_P)}."""
-        params, batch = self._rollout_args(state, (prompts, fields_P, rows_P, key))
+        rollout mesh, for the policy weights `params`: {"made": (rollout, inputs,
+        version_BxC)}, and with in-flight updates also {"partial": (partial, fields_P,
+        rows_P)}."""
+        params, batch = self._rollout_args(params, (prompts, fields_P, rows_P, key))
         mesh, rules = self.rollout_mesh, self.rollout_rules
         if not self.inflight:
             rollout, inputs = jax.eval_shape(self._generate, params, *batch)
@@ -297,7 +300,7 @@ class QueuedRollouts(RolloutSource):
         return {"made": self._abstract(made, mesh, rules, rows=True),
                 "partial": (partial, *self._abstract(batch[1:3], mesh, rules, rows=True))}
 
-    def _abstract_partial(self, params: nnx.State, batch: Batch) -> Partial:
+    def _abstract_partial(self, params: nnx.State, batch: RolloutArgs) -> Partial:
         prompts, _, _, key = batch
         one = jax.ShapeDtypeStruct((), jnp.int32)
         partial = jax.eval_shape(self._start, params, prompts, key, one, one)
@@ -305,10 +308,10 @@ class QueuedRollouts(RolloutSource):
                             partial, partial_shardings(partial, self.rollout_mesh,
                                                        self.rollout_rules))
 
-    def compile(self, state: nnx.State, batch: Batch) -> tuple[dict[str, Any], Any]:
+    def compile(self, params: nnx.State, batch: RolloutArgs) -> tuple[dict[str, Any], Any]:
         """The rollout programs compiled for weights resharded onto the rollout mesh, and the
         abstract (rollout, inputs) on the train mesh; nothing is executed."""
-        params, batch = self._rollout_args(state, batch)
+        params, batch = self._rollout_args(params, batch)
         if self.inflight:
             one = jax.ShapeDtypeStruct((), jnp.int32)
             partial = self._abstract_partial(params, batch)
@@ -321,7 +324,8 @@ class QueuedRollouts(RolloutSource):
             compiled = {"generate": self._generate.lower(params, *batch).compile()}
             made = jax.eval_shape(self._generate, params, *batch)
         self._compiled = compiled
-        return dict(compiled), self._abstract(made, self.step.mesh, self.step.rules, rows=True)
+        return dict(compiled), self._abstract(made, self.train_mesh, self.train_rules,
+                                              rows=True)
 
     @staticmethod
     def _shardings(mesh: Mesh, rules: AxisRules, tree: Any) -> Any:

@@ -1,16 +1,16 @@
 """The RL step: one object that gets batch n's rollout from its source, runs the learner on
 it, and owns the compiled programs.
 
-    step = build_step(cfg, graphdef, sampler, rewards, optim=optim_cfg, mesh=mesh, rules=train,
-                      mode="fused")                        # or Step(cfg, graphdef, source, ...)
+    step = build_step(cfg, graphdef, sampler, rewards, plan=run_plan, optim=optim_cfg,
+                      mesh=mesh, rules=train)             # or Step(cfg, graphdef, source, ...)
     state, out = step(state, n, batch_of)       # batch_of(n) -> (prompts, fields_P, rows_P, key)
     out.metrics, out.success_P, out.signal_P    # a StepOutput; state: nnx.split(ts)[1], donated
 
-One call, whatever the source (`jaxrl.step.sources`):
+One call, whatever the source (`jaxrl.step.sources`, chosen once by the plan):
 
-    made        = source.next(state, n, batch_of)        the rollout and its reward inputs
-    host_values = RewardSet.score_host(made)              Python rewards, on the host
-    state, out  = train(state, made, host_values)         the learner (`jaxrl.step.learner`)
+    made        = source.next(policy weights, n, batch_of)   the rollout, its reward inputs
+    host_values = RewardSet.score_host(made)                  Python rewards, on the host
+    state, out  = train program(state, made, host_values)     the learner (`learn`)
 
 except for the fused source (`InGraph`), whose rollout is traced into the train program:
 ONE jitted program, donating the train state, generates, scores (Python rewards through a
@@ -40,8 +40,6 @@ rewards) are per prompt; they are repeated for the G samples.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,19 +50,27 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config import AlgoSection, OptimSection
+from jaxrl.config.plan import RunPlan
 from jaxrl.distributed import from_local_rows, local_rows, process_rows
 from jaxrl.rl import RewardInputs, RewardSet
 from jaxrl.rollout import Prompts, Sampler
-from jaxrl.sharding import AxisRules, state_shardings, use_rules
+from jaxrl.sharding import AxisRules, state_shardings
+from jaxrl.step.asynchronous import QueuedRollouts
 from jaxrl.step.clock import PhaseClock
 from jaxrl.step.learner import learn
+from jaxrl.step.multiturn import EpisodeRollouts, Episodes
 from jaxrl.step.optimizer import learning_rate_schedule
-from jaxrl.step.sources import Batch, InGraph, Jitted, RolloutSource
+from jaxrl.step.sources import (
+    InGraph,
+    Jitted,
+    MeshRules,
+    RolloutArgs,
+    RolloutSource,
+    rules_context,
+)
+from jaxrl.step.updates import Metrics
 
 __all__ = ["Step", "StepOutput", "build_step", "host_reward_shardings", "score_host_rows"]
-
-Metrics = dict[str, jax.Array]
-
 
 class StepOutput(NamedTuple):
     """What a step returns besides the new state: scalar metrics, and for the curriculum each
@@ -117,20 +123,20 @@ class Step:
     `ref_params` (`reference_params(ts)`) is needed only when `cfg.loss.beta > 0`. Calls come
     in order n = 0, 1, ... where the source makes batches ahead (`QueuedRollouts`).
     `programs` holds the jitted functions: the source's, then the train program (the one
-    program of the fused source).
+    program of the fused source). `clock` is the source's phase clock: both stamp into it.
     """
 
     def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, source: RolloutSource,
-                 rewards: RewardSet, *, optim: OptimSection | None = None,
-                 mesh: Mesh | None = None, rules: AxisRules | None = None,
-                 phase_times: bool = True):
+                 rewards: RewardSet, *, clock: PhaseClock | None = None,
+                 optim: OptimSection | None = None, mesh: Mesh | None = None,
+                 rules: AxisRules | None = None):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
         self.cfg, self.graphdef, self.rewards, self.source = cfg, graphdef, rewards, source
         self.mesh, self.rules = mesh, rules
+        self.clock = PhaseClock(enabled=False) if clock is None else clock
+        self.fused = isinstance(source, InGraph)  # decided once: one program, or the source's
         self._schedule = None if optim is None else learning_rate_schedule(optim)
-        self.clock = PhaseClock(enabled=phase_times)
-        source.bind(self)
         self._jit()
 
     @property
@@ -140,7 +146,7 @@ class Step:
     @property
     def mode(self) -> str:
         """fused when the rollout is traced into the train program, else split."""
-        return "fused" if self.source.in_graph else "split"
+        return "fused" if self.fused else "split"
 
     def use_sampler(self, sampler: Sampler) -> None:
         """Generates with `sampler` from now on (the memory fit's smaller KV pool): the
@@ -151,27 +157,29 @@ class Step:
 
     def _jit(self) -> None:
         self._compiled: dict[str, Any] = {}
-        if self.source.in_graph:
-            self._fused = jax.jit(functools.partial(Step._fused_body, self), donate_argnums=0)
-            self._train = None
-        else:
-            self._train = jax.jit(functools.partial(Step._train_body, self), donate_argnums=0)
+        body = self._fused_program if self.fused else self._learn_program
+        self._program = jax.jit(body, donate_argnums=0)
 
     @property
     def programs(self) -> tuple[Callable[..., Any], ...]:
-        return (self._fused,) if self.source.in_graph else (*self.source.programs, self._train)
+        return (self._program,) if self.fused else (*self.source.programs, self._program)
 
-    def __call__(self, state: nnx.State, n: int, batch_of: Callable[[int], Batch],
+    def policy_params(self, state: nnx.State) -> nnx.State:
+        """The policy model's weights inside a train `state` (not a copy: do not donate)."""
+        return nnx.state(nnx.merge(self.graphdef, state).model)
+
+    def __call__(self, state: nnx.State, n: int, batch_of: Callable[[int], RolloutArgs],
                  ref_params: nnx.State | None = None) -> tuple[nnx.State, StepOutput]:
-        if self.source.in_graph:
-            return self._compiled.get("step", self._fused)(state, *batch_of(n), ref_params)
-        train = self._compiled.get("train", self._train)
-        layout = getattr(train, "input_shardings", None)
-        made = self.source.next(state, n, batch_of, None if layout is None else layout[0])
+        program = self._compiled.get("step" if self.fused else "train", self._program)
+        if self.fused:
+            return program(state, *batch_of(n), ref_params)
+        layout = getattr(program, "input_shardings", None)
+        made = self.source.next(self.policy_params(state), n, batch_of,
+                                None if layout is None else layout[0])
         try:
             host_values = (score_host_rows(self.rewards, made.inputs, self.mesh)
                            if self.rewards.python_rewards else None)
-            state, out = train(state, made.rollout, made.inputs, host_values, ref_params)
+            state, out = program(state, made.rollout, made.inputs, host_values, ref_params)
         except Exception as e:
             self.source.train_failed(e, n)
             raise
@@ -184,10 +192,10 @@ class Step:
         """{name: jax Compiled} of the programs for these arguments ("step"; or the source's
         and "train"), compiled now and run by every later call; nothing is executed."""
         batch = (prompts, fields_P, rows_P, key)
-        if self.source.in_graph:
-            self._compiled = {"step": self._fused.lower(state, *batch, ref_params).compile()}
+        if self.fused:
+            self._compiled = {"step": self._program.lower(state, *batch, ref_params).compile()}
             return dict(self._compiled)
-        compiled, outputs = self.source.compile(state, batch)
+        compiled, outputs = self.source.compile(self.policy_params(state), batch)
         compiled["train"] = self._compile_train(state, outputs, ref_params)
         self._compiled = compiled
         return dict(self._compiled)
@@ -204,7 +212,7 @@ class Step:
             values_sharding, errors_sharding = host_reward_shardings(self.mesh, ids.sharding)
             host_values = (jax.ShapeDtypeStruct((k, b), jnp.float32, sharding=values_sharding),
                            jax.ShapeDtypeStruct((b,), jnp.float32, sharding=errors_sharding))
-        return self._train.lower(state, *outputs, host_values, ref_params).compile()
+        return self._program.lower(state, *outputs, host_values, ref_params).compile()
 
     def compiled(self) -> dict[str, Any]:
         """{name: jax Compiled} of the programs `compile` made (empty before it ran)."""
@@ -217,21 +225,16 @@ class Step:
             return None
         return len(self._compiled) + sum(size() for size in sizes)
 
-    def rules_context(self):
-        """The train rules on the mesh (a null context without one)."""
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        return use_rules(self.mesh, self.rules)
-
     def _replicated(self, x: jax.Array) -> jax.Array:
         """`x` on every device: each process of a multi-process run reads all of it."""
         if self.mesh is None:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
-    def _train_body(self, state, rollout, inputs, host_values, ref_params, *, fused=False
-                    ) -> tuple[nnx.State, StepOutput]:
-        with self.rules_context():
+    def _learn_program(self, state, rollout, inputs, host_values, ref_params, *, fused=False
+                       ) -> tuple[nnx.State, StepOutput]:
+        """The train program: `learn` on a made rollout, the new state pinned to its layout."""
+        with rules_context(None if self.mesh is None else (self.mesh, self.rules)):
             if not fused:
                 rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
                     "train_start", rollout.num_steps, rollout.completion_ids_BxC))
@@ -250,26 +253,52 @@ class Step:
             return new_state, StepOutput(metrics, self._replicated(success_P),
                                          self._replicated(signal_P))
 
-    def _fused_body(self, state, prompts, fields_P, rows_P, key, ref_params
-                    ) -> tuple[nnx.State, StepOutput]:
-        rollout, inputs = self.source.traced(state, prompts, fields_P, rows_P, key)
-        return self._train_body(state, rollout, inputs, None, ref_params, fused=True)
+    def _fused_program(self, state, prompts, fields_P, rows_P, key, ref_params
+                       ) -> tuple[nnx.State, StepOutput]:
+        """The fused step's one program: the source's traced rollout, then the train body."""
+        with rules_context(None if self.mesh is None else (self.mesh, self.rules)):
+            rollout, inputs = self.source.traced(self.policy_params(state), prompts, fields_P,
+                                                 rows_P, key)
+        return self._learn_program(state, rollout, inputs, None, ref_params, fused=True)
 
 
 def build_step(cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler, rewards: RewardSet,
-               *, optim: OptimSection | None = None, mesh: Mesh | None = None,
-               rules: AxisRules | None = None, phase_times: bool = True,
-               mode: str | None = None) -> Step:
-    """The fused or split step (`mode`, None: `cfg.mode`) for the TrainState `graphdef`
-    (module docstring); the other sources are given to `Step` directly.
+               *, plan: RunPlan | None = None, optim: OptimSection | None = None,
+               mesh: Mesh | None = None, rules: AxisRules | None = None,
+               rollout: MeshRules | None = None, episodes: Episodes | None = None,
+               env_rewards: bool = False, phase_times: bool = True) -> Step:
+    """The step of `plan` (None: `RunPlan(cfg.mode)`) for the TrainState `graphdef`, with
+    the one rollout source the plan asks for (module docstring of `jaxrl.step.sources`):
+
+        plan.env set        EpisodeRollouts(episodes)    multi-turn, on the host
+        plan.mode async     QueuedRollouts on `rollout` (mesh, rollout rules)
+        plan.mode fused     InGraph                      traced into the one program
+        plan.mode split     Jitted
 
     `sampler` is built on `nnx.graphdef(ts.model)` (with the rollout rules on a mesh); `rules`
     are the train rules; `optim` only adds the `lr` metric; `phase_times` puts the phase
     stamps (host callbacks) into the programs.
     """
-    mode = cfg.mode if mode is None else mode
-    if mode not in ("fused", "split"):
-        raise ValueError(f"build_step makes a fused or split step, got mode {mode!r}")
-    source = InGraph(sampler) if mode == "fused" else Jitted(sampler)
-    return Step(cfg, graphdef, source, rewards, optim=optim, mesh=mesh, rules=rules,
-                phase_times=phase_times)
+    plan = RunPlan(cfg.mode) if plan is None else plan
+    clock = PhaseClock(enabled=phase_times)
+    train = None if mesh is None else (mesh, rules)
+    source: RolloutSource
+    if plan.env is not None:
+        if episodes is None:
+            raise ValueError(f"a multi-turn plan (environment {plan.env!r}) needs episodes=")
+        source = EpisodeRollouts(sampler, episodes, env_rewards=env_rewards)
+    elif plan.mode == "async":
+        if rollout is None or train is None:
+            raise ValueError("an async plan needs the train mesh and rules (mesh=, rules=) and "
+                             "the rollout's (rollout=)")
+        source = QueuedRollouts(sampler, clock, rollout=rollout, train=train,
+                                max_staleness=plan.max_staleness,
+                                inflight_updates=plan.inflight)
+    elif plan.mode == "fused":
+        source = InGraph(sampler, clock)
+    elif plan.mode == "split":
+        source = Jitted(sampler, clock, train_rules=train)
+    else:
+        raise ValueError(f"plan.mode must be fused, split or async, got {plan.mode!r}")
+    return Step(cfg, graphdef, source, rewards, clock=clock, optim=optim, mesh=mesh,
+                rules=rules)

@@ -5,9 +5,9 @@ then per-token GAE (Schulman et al. 2016; the equations are in `jaxrl.rl.gae`).
     adv_BxC, G_BxC  = GAE(gamma, lambda) of the sequence reward at the last valid token
     adv_BxC         = whiten(adv_BxC) over the trained tokens     (algo.critic.whiten_advantages)
 
-`train_on` then trains the policy on adv_BxC (PPO's clipped surrogate, `jaxrl.rl.losses`) and
+`apply_updates` then trains the policy on adv_BxC (PPO's clipped surrogate, `jaxrl.rl.losses`) and
 the critic on the clipped value loss towards G_BxC from these values (V_old), both in the
-same updates (`jaxrl.step.phases.microbatch_loss`): one loss, policy + vf_coef x value,
+same updates (`jaxrl.step.updates.microbatch_loss`): one loss, policy + vf_coef x value,
 differentiated with respect to (policy, critic) and applied by their two optimizers
 (`TrainState.apply_gradients`; the policy waits for the critic's warm-up).
 
@@ -29,11 +29,17 @@ from flax import nnx
 
 from jaxrl.config import AlgoSection
 from jaxrl.rl.gae import explained_variance, gae_advantages, whiten
-from jaxrl.step.forward import Batch, completion_values, microbatching, split_rows, unsplit_rows
+from jaxrl.step.forward import (
+    UpdateBatch,
+    completion_values,
+    microbatching,
+    split_rows,
+    unsplit_rows,
+)
 from jaxrl.step.state import TrainState
 
 
-def old_values(ts: TrainState, batch: Batch, num_micro: int, group: int,
+def old_values(ts: TrainState, batch: UpdateBatch, num_micro: int, group: int,
                budgets: tuple[int, ...] = ()) -> jax.Array:
     """stop_gradient(values_BxC) of `ts`'s critic on `batch`, by `num_micro` microbatches
     (`budgets`: their packed shapes, `jaxrl.step.packing`)."""
@@ -48,9 +54,9 @@ def old_values(ts: TrainState, batch: Batch, num_micro: int, group: int,
     return jax.lax.stop_gradient(unsplit_rows(parts))
 
 
-def gae_batch(cfg: AlgoSection, ts: TrainState, batch: Batch, group_size: int = 1,
-              ) -> tuple[Batch, dict[str, jax.Array]]:
-    """`batch` (`train_batch`, whose adv_B holds the sequence rewards: `phases.advantages`
+def gae_batch(cfg: AlgoSection, ts: TrainState, batch: UpdateBatch, group_size: int = 1,
+              ) -> tuple[UpdateBatch, dict[str, jax.Array]]:
+    """`batch` (`update_batch`, whose adv_B holds the sequence rewards: `phases.advantages`
     passes them through for gae) with per-token adv_BxC, returns_BxC and old_values_BxC in
     place of adv_B; and the metrics value/mean, value/explained_variance, value/returns_mean.
     """

@@ -11,7 +11,7 @@ The hidden state at position t predicts token t + 1, so completion token i is re
 P - 1 + i. With packing (`jaxrl.step.packing`, algo.packing) a microbatch's rows run end to
 end in fewer rows and the outputs are gathered back to [B, C]: the same numbers. `prompt_group` decides when the G rows of a group run their shared prompt once
 (`Transformer.hidden_states_shared_prompt`: same numbers, the prompt's work G-fold smaller).
-Used by the updates (`jaxrl.step.phases`), the critic (`jaxrl.step.critic`) and the FLOP
+Used by the updates (`jaxrl.step.updates`), the critic (`jaxrl.step.critic`) and the FLOP
 accounting (`jaxrl.step.accounting`).
 """
 
@@ -28,7 +28,7 @@ from jaxrl.rl import chunked_log_probs_and_entropy, token_entropy, token_log_pro
 from jaxrl.sharding.rules import active_rules, constrain
 from jaxrl.step import packing
 
-Batch = dict[str, jax.Array]
+UpdateBatch = dict[str, jax.Array]
 
 
 def prompt_group(cfg: AlgoSection, model_config: ModelConfig, group_size: int, rows: int,
@@ -51,7 +51,7 @@ def prompt_group(cfg: AlgoSection, model_config: ModelConfig, group_size: int, r
                  and (per_slice // d) % batch_shards == 0), 1)
 
 
-def completion_hidden(model: nnx.Module, batch: Batch, prompt_group: int = 1, *,
+def completion_hidden(model: nnx.Module, batch: UpdateBatch, prompt_group: int = 1, *,
                       router_stats: bool = False) -> tuple[jax.Array, ...]:
     """(hidden_BxCxE,): `model`'s final hidden states at the C positions that predict the
     completion tokens (`prompt_group`: see `completion_log_probs`); with `router_stats`
@@ -72,7 +72,7 @@ def completion_hidden(model: nnx.Module, batch: Batch, prompt_group: int = 1, *,
     return (hidden_BxTxE[:, -c - 1:-1], *stats)
 
 
-def completion_outputs(modules: tuple[nnx.Module, ...], batch: Batch, per_token, *,
+def completion_outputs(modules: tuple[nnx.Module, ...], batch: UpdateBatch, per_token, *,
                        prompt_group: int = 1, budgets: tuple[int, ...] = (),
                        packed_rows: int | None = None, router_stats: bool = False) -> tuple:
     """(outputs, *router statistics): `per_token(modules, hidden_XxYxE, targets_XxY)`, a
@@ -86,7 +86,7 @@ def completion_outputs(modules: tuple[nnx.Module, ...], batch: Batch, per_token,
     padded, picked at run time by `lax.switch` (every branch compiled; the modules enter each
     branch as operands). Forward only: a switch under differentiation carries the residuals
     of every branch, so the updates switch around their whole value_and_grad instead
-    (`jaxrl.step.updates.train_on`) and pass `packed_rows`.
+    (`jaxrl.step.updates.apply_updates`) and pass `packed_rows`.
     """
     c = batch["loss_mask_BxC"].shape[1]
 
@@ -140,7 +140,7 @@ def log_probs(model: nnx.Module, hidden_XxYxE: jax.Array, targets_XxY: jax.Array
             token_entropy(logits_XxYxV, temperature))
 
 
-def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
+def completion_log_probs(model: nnx.Module, batch: UpdateBatch, temperature: float,
                          chunk_size: int | str | None = None, *, unroll: bool = False,
                          prompt_group: int = 1, budgets: tuple[int, ...] = (),
                          ) -> tuple[jax.Array, jax.Array]:
@@ -158,7 +158,7 @@ def completion_log_probs(model: nnx.Module, batch: Batch, temperature: float,
                               budgets=budgets)[0]
 
 
-def completion_values(critic: nnx.Module, batch: Batch, policy: nnx.Module,
+def completion_values(critic: nnx.Module, batch: UpdateBatch, policy: nnx.Module,
                       prompt_group: int = 1, budgets: tuple[int, ...] = (),
                       packed_rows: int | None = None) -> jax.Array:
     """values_BxC of the completion's states (`jaxrl.step.value_model.Critic`): the critic's
@@ -180,10 +180,10 @@ def unsplit_rows(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
-def microbatching(cfg: AlgoSection, model_config, group_size: int, batch: Batch,
+def microbatching(cfg: AlgoSection, model_config, group_size: int, batch: UpdateBatch,
                   ) -> tuple[int, int, tuple[int, ...]]:
     """(microbatches of the whole batch, `prompt_group`, packed row budgets): how the
-    trainer's forwards cut `batch` (`train_batch`'s arrays); budgets () when packing is off
+    trainer's forwards cut `batch` (`update_batch`'s arrays); budgets () when packing is off
     or never pays (`jaxrl.step.packing.budgets`)."""
     rows, c = batch["loss_mask_BxC"].shape
     micro_rows = cfg.microbatch_size or cfg.batch_split(rows)[0]

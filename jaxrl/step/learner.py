@@ -7,7 +7,7 @@
     shape        the overlong penalty (algo.overlong_*)                -> rewards_B
     advantages   by the estimator chosen once in the config: group-relative (GRPO, RLOO,
                  Dr.GRPO) per sample, or GAE per token with the critic's values
-    update       the optimizer updates on the batch (`jaxrl.step.updates.train_on`)
+    update       the optimizer updates on the batch (`jaxrl.step.updates.apply_updates`)
 
 It runs traced, inside whichever program the step compiles, and knows nothing of meshes or
 modes: where the rollout came from is the step's business (`jaxrl.step.sources`).
@@ -26,11 +26,9 @@ from jaxrl.rl import RewardInputs, RewardSet, zero_std_groups
 from jaxrl.rollout import Rollout
 from jaxrl.rollout.types import SamplerConfig
 from jaxrl.step.critic import gae_batch
-from jaxrl.step.phases import advantages, completion_metrics, score, shape_rewards, train_batch
+from jaxrl.step.phases import advantages, completion_metrics, shape_rewards, update_batch
 from jaxrl.step.state import TrainState
-from jaxrl.step.updates import train_on
-
-Metrics = dict[str, jax.Array]
+from jaxrl.step.updates import Metrics, apply_updates
 
 
 def prompt_success(rewards: RewardSet, rewards_B: jax.Array, group_size: int) -> jax.Array:
@@ -48,7 +46,7 @@ def learn(cfg: AlgoSection, ts: TrainState, rollout: Rollout, inputs: RewardInpu
     signal_P is 1 where a prompt's group rewards differ (it has a group-relative advantage).
     """
     g = sampler.num_generations
-    rewards_B, metrics = score(rewards, inputs, host_values)
+    rewards_B, metrics = rewards.score(inputs, host_values)
     success_P = prompt_success(rewards, rewards_B, g)
     signal_P = 1.0 - zero_std_groups(rewards_B, g)[::g].astype(jnp.float32)
     rewards_B, shaping_metrics = shape_rewards(cfg, rewards_B, rollout.completion_mask_BxC)
@@ -56,11 +54,11 @@ def learn(cfg: AlgoSection, ts: TrainState, rollout: Rollout, inputs: RewardInpu
     # Observation tokens of a multi-turn rollout are attended over, never trained on.
     adv_B, loss_mask_BxC, adv_metrics = advantages(cfg, rewards_B, rollout.model_token_mask(), g)
     metrics.update(adv_metrics)
-    metrics.update(completion_metrics(rollout, sampler.stop_token_ids))
-    batch = train_batch(rollout, adv_B, loss_mask_BxC)
+    metrics.update(completion_metrics(rollout, sampler.end_token_ids))
+    batch = update_batch(rollout, adv_B, loss_mask_BxC)
     if cfg.advantage == "gae":
         batch, value_metrics = gae_batch(cfg, ts, batch, g)
         metrics.update(value_metrics)
-    metrics.update(train_on(cfg, ts, batch, sampler.sampling.temperature,
+    metrics.update(apply_updates(cfg, ts, batch, sampler.sampling.temperature,
                             ref_params=ref_params, lr_schedule=lr_schedule, group_size=g))
     return metrics, success_P, signal_P

@@ -1,7 +1,7 @@
 """The rollout source of a multi-turn task: the host between the policy's turns.
 
     source = EpisodeRollouts(sampler, Episodes(...), env_rewards=True)
-    step = Step(cfg, graphdef, source, rewards, ...)
+    step = Step(cfg, graphdef, source, rewards, ...)       # or build_step(..., plan=)
     state, out = step(state, n, batch_of)                          # as any step
 
     (1) rollout   on the host, `jaxrl.step.multiturn_rollout`: every sample's episode, its
@@ -26,8 +26,9 @@ Metrics added to each step (host values): `turns/mean`, `tool/calls_per_sample`,
 `tool/errors`, `tool/timeouts` (per sample), `tool/latency_s` (mean seconds per call),
 `env/time_s` (seconds in environments, summed over calls), `env/wait_s` (seconds the decode
 loop had no slot to run because every busy one waited on its environment),
-`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time, from the moment
-the previous step's updates are done).
+`rollout/truncated_frac`, `env/vocab_errors` (samples whose environment answered with token
+ids outside the model's vocabulary: never fed, the episode ends there) and `time/rollout_s`
+(the host rollout's wall time, from the moment the previous step's updates are done).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from jaxrl.sharding import AxisRules
 from jaxrl.step.multiturn_config import MultiTurnConfig
 from jaxrl.step.multiturn_rollout import rollout_multiturn
 from jaxrl.step.phases import reward_inputs
-from jaxrl.step.sources import Batch, Made, RolloutSource
+from jaxrl.step.sources import Made, RolloutArgs, RolloutSource
 
 ENV_REWARD_FIELD = "env_reward"
 
@@ -86,6 +87,7 @@ def turn_metrics(out: MultiTurnRollout) -> dict[str, float]:
         "env/time_s": out.env_time_s,
         "env/wait_s": out.env_wait_s,
         "rollout/truncated_frac": float(out.truncated_B.mean()),
+        "env/vocab_errors": float(out.vocab_errors_B.mean()),
         "time/rollout_s": out.wall_s,
     }
 
@@ -94,24 +96,22 @@ class EpisodeRollouts(RolloutSource):
     """The multi-turn rollout source (module docstring). `env_rewards`: the environment's
     own reward is the JAX reward "env" of the run's reward set."""
 
-    decodes_on_host = True
-
     def __init__(self, sampler: Sampler, episodes: Episodes, *, env_rewards: bool = False):
         super().__init__(sampler)
         self.episodes = episodes
         self.env_rewards = env_rewards
         self.last_rollout: MultiTurnRollout | None = None
 
-    def next(self, state: nnx.State, n: int, batch_of: Callable[[int], Batch],
+    def next(self, params: nnx.State, n: int, batch_of: Callable[[int], RolloutArgs],
              layout: Any | None) -> Made:
-        """Phases (1) and (2): G episodes of each prompt of batch n, from the weights in
-        `state`, laid out as the compiled train program takes them (`layout`)."""
+        """Phases (1) and (2): G episodes of each prompt of batch n, from the policy weights
+        `params`, laid out as the compiled train program takes them (`layout`)."""
         prompts, fields_P, rows_P, key = batch_of(n)
         g, e = self.sampler.config.num_generations, self.episodes
         # The rollout's first operation would wait for the previous step's updates anyway;
         # waiting here keeps that wait out of time/rollout_s.
-        state = jax.block_until_ready(state)
-        out, rollout = run_episodes(nnx.merge(self.step.graphdef, state).model, e, prompts,
+        params = jax.block_until_ready(params)
+        out, rollout = run_episodes(nnx.merge(self.sampler.graphdef, params), e, prompts,
                                     rows_P, key, self.sampler.config.sampling, g,
                                     mesh=self.sampler.mesh, rules=self.sampler.rules)
         self.last_rollout = out
@@ -122,7 +122,7 @@ class EpisodeRollouts(RolloutSource):
             rollout, inputs = jax.device_put((rollout, inputs), tuple(layout[1:3]))
         return Made(rollout, inputs, {k: jnp.float32(v) for k, v in turn_metrics(out).items()})
 
-    def compile(self, state: nnx.State, batch: Batch) -> tuple[dict[str, Any], Any]:
+    def compile(self, params: nnx.State, batch: RolloutArgs) -> tuple[dict[str, Any], Any]:
         """No program of its own (the rollout's operations compile on their first call);
         the (rollout, reward inputs) the train program receives, for the rollout's shapes."""
         prompts, fields_P, rows_P, _ = batch

@@ -35,11 +35,13 @@ microseconds, not seconds). The environment sees every turn, the last one too (i
 it). Rewards: the last one the environment gave, NaN where it gave none.
 
 Environments are a user's code: every answer is checked against the contract
-(`jaxrl.envs.base.observation_problem`: an Observation, a finite reward, ids inside the
-model's vocabulary), every call is timed against `env_timeout_s`, and the calls run on
-daemon threads (`env_calls.py`), so an exception, a broken contract or a hang ends the
-rollout with `EnvFailure` naming the row and turn, and a hung call never keeps the process
-alive.
+(`jaxrl.envs.base.observation_problem`: an Observation, a finite reward), every call is
+timed against `env_timeout_s`, and the calls run on daemon threads (`env_calls.py`), so an
+exception, a broken contract or a hang ends the rollout with `EnvFailure` naming the row and
+turn, and a hung call never keeps the process alive. Token ids outside the model's
+vocabulary (given, or what a text encodes to: `encoded_problem`) are counted instead
+(`MultiTurnRollout.vocab_errors_B`, the first one's message kept): that observation is never
+fed and its episode ends there.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ from jaxrl.envs.base import (
     EnvFailure,
     Environment,
     Observation,
+    encoded_problem,
     observation_ids,
     observation_problem,
 )
 from jaxrl.models import Transformer
+from jaxrl.models.paged_attention import resolve_impl
 from jaxrl.rollout import slots
 from jaxrl.rollout.episode_rows import MultiTurnRollout, Row, assemble
 from jaxrl.rollout.pages import PoolLayout
@@ -174,7 +178,7 @@ class _Device:
     layout: PoolLayout
     stops: slots.Stops
     sampling: SamplingParams
-    attention: slots.Attention
+    attention: slots.PagedAttentionSettings
     config: MultiTurnConfig
     state: Any
 
@@ -187,8 +191,11 @@ class _Device:
         graphdef, weights = nnx.split(model)
         if mesh is not None:
             weights = jax.device_put(weights, state_shardings(weights, mesh, rules))
-        return cls(graphdef, weights, split, layout, config.stops, sampling,
-                   slots.Attention(config.attention), config,
+        attention = dataclasses.replace(config.attention, impl=resolve_impl(
+            config.attention.impl, model.config, num_slots=split.local_slots,
+            num_pages=layout.num_pages, page_size=layout.page_size,
+            table_width=layout.table_width))
+        return cls(graphdef, weights, split, layout, config.stops, sampling, attention, config,
                    _init(model.config, split, layout))
 
     def prefill(self, ids_P: np.ndarray, mask_P: np.ndarray):
@@ -321,7 +328,7 @@ class _Episodes:
         tokens are fed to the slot (cut to the room left: then it ends too)."""
         r = self.owner[slot]
         row = self.rows[r]
-        problem = observation_problem(obs, self.vocab_size)
+        problem = observation_problem(obs)
         if problem is not None:
             raise EnvFailure(problem, row=r, turn=len(row.ends))
         if obs.reward is not None:
@@ -334,6 +341,11 @@ class _Episodes:
             return self.finish(slot, True)
         room = self.config.max_total_tokens - len(row.ids)
         new = observation_ids(obs, self.encode, room)
+        problem = (observation_problem(obs, self.vocab_size) if obs.ids is not None
+                   else encoded_problem(new, self.vocab_size))
+        if problem is not None:  # counted, never fed: the episode ends at this turn
+            row.vocab_error = str(EnvFailure(problem, row=r, turn=len(row.ends)))
+            return self.finish(slot, True)
         if len(new) >= room:  # no room for a model token after it: cut, and the episode ends
             for token in new[:room]:
                 row.add(token, True)

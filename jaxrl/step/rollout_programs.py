@@ -12,17 +12,17 @@ With the engine (`SamplerConfig.engine`, what every run uses by default):
 
 The XLA paged attention is a while loop over blocks of pages whose trip count depends on
 the slots' lengths; it is compiled unrolled over every block of the page table for every
-chunk of slots (`Attention.unroll`): the iteration of S slots that all reach their longest
-row's last page, as the dense count attends over the whole cache. slot steps / S is the
+chunk of slots (`PagedAttentionSettings.unroll`): the iteration of S slots that all reach
+their longest row's last page, as the dense count attends over the whole cache. slot steps / S is the
 iterations when every iteration ran S slots; the tail's smaller tiers (`slots.shrink`)
 count as the share of S they ran. The shapes are the whole batch's on one device, as the
 other phases (on a mesh each device runs its own share of slots and rows; the work per
 slot is the same).
 
-Without an engine (the dense reference sampler, `jaxrl.rollout.sampler`):
+Without an engine (the dense reference sampler, `jaxrl.rollout.dense_reference`):
 
-    prefill   sampler.prefill of the P prompts (a cache of P + C - 1 slots)        x 1
-    decode    sampler.decode_step + sample_rows of the B = P·G rows   x rollout/decode_slot_steps / B
+    prefill   dense_prefill of the P prompts (a cache of P + C - 1 slots)          x 1
+    decode    dense_decode_step + sample_rows of the B = P·G rows   x rollout/decode_slot_steps / B
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from jax.sharding import SingleDeviceSharding
 from jaxrl.models import KVCache, ModelConfig
 from jaxrl.models.paged_attention import chunk_slots
 from jaxrl.perf import analytic
-from jaxrl.rollout.decode_loop import Plan, begin, engine_config, iteration, plan
-from jaxrl.rollout.sampler import decode_step, prefill
+from jaxrl.rollout.decode_loop import DecodeSetup, begin, decode_setup, engine_config, iteration
+from jaxrl.rollout.dense_reference import dense_decode_step, dense_prefill
 from jaxrl.rollout.sampling import sample_rows
-from jaxrl.rollout.settings import Attention
+from jaxrl.rollout.settings import PagedAttentionSettings
 from jaxrl.rollout.slot_count import max_concurrent_decodes
 from jaxrl.rollout.types import SamplerConfig
 
@@ -71,18 +71,19 @@ def lower_on_host(fn, *args, donate: tuple[int, ...] = ()) -> jax.stages.Lowered
     return jax.jit(fn, donate_argnums=donate).lower(*args)
 
 
-def engine_plan(model_config: ModelConfig, sampler: SamplerConfig, shapes: StepShapes) -> Plan:
-    """The engine's `Plan` of the step's rollout (its slots, its page pool)."""
-    return plan(model_config, engine_config(sampler, shapes.rows), shapes.prompts,
-                shapes.prompt_len, shapes.rows, shapes.max_new_tokens, sampler.stop_token_ids,
-                sampler.sampling)
+def engine_setup(model_config: ModelConfig, sampler: SamplerConfig, shapes: StepShapes
+                 ) -> DecodeSetup:
+    """The engine's `DecodeSetup` of the step's rollout (its slots, its page pool)."""
+    return decode_setup(model_config, engine_config(sampler, shapes.rows), shapes.prompts,
+                        shapes.prompt_len, shapes.rows, shapes.max_new_tokens,
+                        sampler.end_token_ids, sampler.sampling)
 
 
 def decode_rows(model_config: ModelConfig, sampler: SamplerConfig, shapes: StepShapes) -> int:
     """The rows of the counted decode program: the engine's slots S, or the dense B."""
     if sampler.engine is None:
         return shapes.rows
-    return max_concurrent_decodes(engine_plan(model_config, sampler, shapes).config,
+    return max_concurrent_decodes(engine_setup(model_config, sampler, shapes).config,
                                   shapes.rows)
 
 
@@ -93,11 +94,11 @@ def lower_generate(graphdef: nnx.GraphDef, params: nnx.State, model_config: Mode
     if sampler.engine is None:
         return {"prefill": _dense_prefill(graphdef, params, shapes),
                 "decode": _dense_decode(graphdef, params, model_config, sampler, shapes)}
-    return _engine(graphdef, params, engine_plan(model_config, sampler, shapes), sampler,
+    return _engine(graphdef, params, engine_setup(model_config, sampler, shapes), sampler,
                    shapes)
 
 
-def _engine(graphdef, params, plan_: Plan, sampler: SamplerConfig, shapes: StepShapes
+def _engine(graphdef, params, setup: DecodeSetup, sampler: SamplerConfig, shapes: StepShapes
             ) -> dict[str, jax.stages.Lowered]:
     p, b = shapes.prompts, shapes.rows
     key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
@@ -107,7 +108,7 @@ def _engine(graphdef, params, plan_: Plan, sampler: SamplerConfig, shapes: StepS
               host_abstract((b,), jnp.int32))
 
     def start(params, ids_PxL, mask_PxL, key_data_BxK, limit_B):
-        return begin(nnx.merge(graphdef, params), plan_, ids_PxL, mask_PxL,
+        return begin(nnx.merge(graphdef, params), setup, ids_PxL, mask_PxL,
                      jax.random.wrap_key_data(key_data_BxK), limit_B, shapes.max_new_tokens,
                      sampler.pad_token_id)
 
@@ -115,10 +116,10 @@ def _engine(graphdef, params, plan_: Plan, sampler: SamplerConfig, shapes: StepS
                             jax.eval_shape(start, params, *inputs))
     # The XLA paged attention, its block loop unrolled (module docstring): the host cannot
     # compile the TPU kernel, whose custom call would count as nothing.
-    attention = Attention("xla", plan_.config.pages_per_block, unroll=True)
+    attention = PagedAttentionSettings("xla", setup.config.pages_per_block, unroll=True)
 
     def decode(params, progress, key_data_BxK):
-        return iteration(nnx.merge(graphdef, params), plan_, progress,
+        return iteration(nnx.merge(graphdef, params), setup, progress,
                          jax.random.wrap_key_data(key_data_BxK), attention)
 
     return {"prefill": lower_on_host(start, params, *inputs),
@@ -127,7 +128,7 @@ def _engine(graphdef, params, plan_: Plan, sampler: SamplerConfig, shapes: StepS
 
 def _dense_prefill(graphdef, params, shapes: StepShapes) -> jax.stages.Lowered:
     def fn(params, ids_BxP, mask_BxP):
-        return prefill(nnx.merge(graphdef, params), ids_BxP, mask_BxP, shapes.max_new_tokens)
+        return dense_prefill(nnx.merge(graphdef, params), ids_BxP, mask_BxP, shapes.max_new_tokens)
 
     return lower_on_host(fn, params, host_abstract((shapes.prompts, shapes.prompt_len), jnp.int32),
                          host_abstract((shapes.prompts, shapes.prompt_len), jnp.bool_))
@@ -142,7 +143,8 @@ def _dense_decode(graphdef, params, cfg: ModelConfig, sampler: SamplerConfig,
     cache = KVCache(kv, kv, host_abstract((b, width), jnp.bool_), host_abstract((), jnp.int32))
 
     def fn(params, token_B, position_B, cache, key_data_Bx2, t):
-        logits_BxV, cache = decode_step(nnx.merge(graphdef, params), token_B, position_B, cache)
+        logits_BxV, cache = dense_decode_step(nnx.merge(graphdef, params), token_B, position_B,
+                                              cache)
         keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
             jax.random.wrap_key_data(key_data_Bx2), t)
         return sample_rows(keys_B, logits_BxV, sampler.sampling), cache
@@ -159,9 +161,9 @@ def analytic_generate(config: ModelConfig, sampler: SamplerConfig, shapes: StepS
     if sampler.engine is None:
         return (analytic.prefill_flops(config, shapes.prompts, p, c),
                 analytic.decode_step_flops(config, shapes.rows, p, c))
-    plan_ = engine_plan(config, sampler, shapes)
-    layout, s = plan_.layout, decode_rows(config, sampler, shapes)
-    block = min(plan_.config.pages_per_block, layout.table_width)
+    setup = engine_setup(config, sampler, shapes)
+    layout, s = setup.layout, decode_rows(config, sampler, shapes)
+    block = min(setup.config.pages_per_block, layout.table_width)
     keys = -(-layout.table_width // block) * block * layout.page_size
     chunk = min(s, chunk_slots(s))
     return (analytic.engine_prefill_flops(config, shapes.prompts, p),

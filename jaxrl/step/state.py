@@ -183,7 +183,7 @@ def train_state_from_model(model: nnx.Module, optim_cfg: OptimSection, mesh: Mes
 
 def reference_params(state: TrainState) -> nnx.State | None:
     """A frozen copy of the policy's Params, for the KL term (needed only when beta > 0);
-    None with LoRA, whose reference is the base model itself (`train_on`).
+    None with LoRA, whose reference is the base model itself (`apply_updates`).
 
     The copy has its own buffers with the same shardings: a step that donates the train state
     would otherwise delete the reference with it. Run it as

@@ -1,10 +1,10 @@
-"""The optimizer updates of one step: `train_on(cfg, ts, batch, temperature)`.
+"""The optimizer updates of one step: `apply_updates(cfg, ts, batch, temperature)`.
 
     old_logp = stop_gradient(logp of the policy before any update)    one forward per step,
                skipped when the step makes a single update (its own forward is the old one)
     ref_logp = stop_gradient(logp of the KL reference)                 when algo.loss.beta > 0
     for each iteration, for each minibatch:                            one optimizer update
-        g = sum over microbatches of grad(loss of the microbatch)      (`phases.microbatch_loss`)
+        g = sum over microbatches of grad(loss of the microbatch)      (`microbatch_loss`)
         apply g if the loss and g are finite, else keep every parameter and moment
 
 What is trained is the train state's trainable-parameter filter (`TrainState.trainable`,
@@ -31,25 +31,31 @@ from flax import nnx
 
 from jaxrl.config.algo import AlgoSection
 from jaxrl.models.lora import trainable
+from jaxrl.rl import policy_loss
+from jaxrl.rl.gae import value_loss
 from jaxrl.rl.loss_variants import adapt_entropy_coef, applied_entropy_coef
 from jaxrl.step import packing
 from jaxrl.step.forward import (
-    Batch,
+    UpdateBatch,
     completion_log_probs,
+    completion_outputs,
+    completion_values,
+    log_probs,
     microbatching,
     packing_metrics,
     split_rows,
     unsplit_rows,
 )
-from jaxrl.step.phases import microbatch_loss
+from jaxrl.step.router_aux import add_router_aux, uses_router_aux
 from jaxrl.step.state import TrainState
+from jaxrl.step.value_model import Critic
 
 Metrics = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """What every update of a step shares: the static shapes and settings (`train_on`)."""
+class UpdateShapes:
+    """What every update of a step shares: the static shapes and settings (`apply_updates`)."""
 
     cfg: AlgoSection
     graphdef: nnx.GraphDef  # of the TrainState
@@ -62,11 +68,11 @@ class Plan:
     lr_schedule: optax.Schedule | None
 
 
-def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float, *,
+def apply_updates(cfg: AlgoSection, ts: TrainState, batch: UpdateBatch, temperature: float, *,
              ref_params: nnx.State | None = None,
              lr_schedule: optax.Schedule | None = None, group_size: int = 1,
              ) -> dict[str, jax.Array]:
-    """All optimizer updates of one step on `batch` (`train_batch`), applied to `ts` in place;
+    """All optimizer updates of one step on `batch` (`update_batch`), applied to `ts` in place;
     `group_size`: consecutive rows sharing a prompt (G), for `prompt_group`. With LoRA
     only the adapters are differentiated and updated, and the KL reference is the base model
     (adapters off; `ref_params` is not used).
@@ -82,13 +88,13 @@ def train_on(cfg: AlgoSection, ts: TrainState, batch: Batch, temperature: float,
     # Every microbatch, of the old/ref forwards and of the updates, is the strided slice
     # i mod total_micro of the rows (a minibatch's slices of the minibatch's slices).
     total_micro, group, budgets = microbatching(cfg, ts.model.config, group_size, batch)
-    plan = Plan(cfg, nnx.graphdef(ts), temperature, group, budgets, minibatch, num_micro,
+    shapes = UpdateShapes(cfg, nnx.graphdef(ts), temperature, group, budgets, minibatch, num_micro,
                 batch["loss_mask_BxC"].shape[1], lr_schedule)
-    batch = with_old_and_ref_logp(plan, ts.model, batch, ref_params, total_micro)
+    batch = with_old_and_ref_logp(shapes, ts.model, batch, ref_params, total_micro)
 
     def iteration(state, _):
         minibatches = jax.tree.map(lambda x: split_rows(x, cfg.num_minibatches), batch)
-        return _scan(functools.partial(update, plan), state, minibatches)
+        return _scan(functools.partial(update, shapes), state, minibatches)
 
     state, (metrics, skipped) = _scan(iteration, nnx.state(ts), None,
                                       length=cfg.num_iterations)
@@ -114,68 +120,119 @@ def policy_and_reference(model: nnx.Module, ref_params: nnx.State | None
     return graphdef, (params, rest), None if ref_params is None else (ref_params, rest)
 
 
-def with_old_and_ref_logp(plan: Plan, model: nnx.Module, batch: Batch,
-                          ref_params: nnx.State | None, total_micro: int) -> Batch:
+def microbatch_loss(cfg: AlgoSection, model: nnx.Module, mb: UpdateBatch, num_tokens: jax.Array,
+                    num_seqs: jax.Array, temperature: float, *, unroll: bool = False,
+                    entropy_coef: jax.Array | None = None, prompt_group: int = 1,
+                    critic: Critic | None = None, packed_rows: int | None = None,
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, metrics) of one microbatch, normalised by its minibatch's token and sequence
+    counts (`policy_loss`); `mb` holds `update_batch`'s arrays plus ref log-probs and the old
+    ones (without them, the step's only update: old = stop_gradient(new)); `entropy_coef`:
+    this update's (`jaxrl.step.updates.entropy_coef_at`), None: algo.loss.entropy_coef;
+    `prompt_group`: see `completion_log_probs`; with a `critic` (algo.advantage gae: `mb`
+    holds per-token adv_BxC,
+    returns_BxC and old_values_BxC) + vf_coef x the clipped value loss (`jaxrl.rl.gae`); for
+    a mixture of experts with algo.router_aux_coef > 0, + that x the load-balancing loss;
+    `packed_rows`: run packed into that many rows (`jaxrl.step.packing`), None: padded."""
+    aux = uses_router_aux(cfg.router_aux_coef, model.config)
+    head = critic is not None and critic.trunk is None  # a value head on the policy's trunk
+
+    def per_token(mods, hidden, targets):
+        logp, entropy = log_probs(mods[0], hidden, targets, temperature,
+                                  cfg.logprob_chunk_size, unroll=unroll)
+        return (logp, entropy, mods[1].head(hidden)) if head else (logp, entropy)
+
+    out, *stats = completion_outputs((model, critic) if head else (model,), mb, per_token,
+                                     prompt_group=prompt_group, packed_rows=packed_rows,
+                                     router_stats=aux)
+    logp_BxC, entropy_BxC = out[:2]
+    old_logp_BxC = mb.get("old_logp_BxC")
+    if old_logp_BxC is None:  # one update per step: this forward is the old policy's
+        old_logp_BxC = jax.lax.stop_gradient(logp_BxC)
+    loss, metrics = policy_loss(
+        logp_BxC, old_logp_BxC, mb["adv_BxC"] if critic is not None else mb["adv_B"],
+        mb["loss_mask_BxC"], cfg.loss,
+        ref_logp_BxT=mb.get("ref_logp_BxC"), sampler_logp_BxT=mb.get("sampler_logp_BxC"),
+        entropy_BxT=entropy_BxC, max_completion_len=mb["loss_mask_BxC"].shape[1],
+        num_tokens=num_tokens, num_seqs=num_seqs, entropy_coef=entropy_coef)
+    if aux:  # + algo.router_aux_coef x the load-balancing loss (jaxrl.step.router_aux)
+        loss, metrics = add_router_aux(cfg.router_aux_coef, model.config, stats[0], mb,
+                                       num_tokens, loss, metrics)
+    if critic is None:
+        return loss, metrics
+    values_BxC = out[2] if head else completion_values(critic, mb, model, prompt_group,
+                                                       packed_rows=packed_rows)
+    v_loss, v_metrics = value_loss(
+        values_BxC, mb["old_values_BxC"], mb["returns_BxC"], mb["loss_mask_BxC"],
+        cfg.critic.value_clip, cfg.loss.aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+        max_completion_len=mb["loss_mask_BxC"].shape[1])
+    return loss + cfg.critic.vf_coef * v_loss, metrics | v_metrics
+
+
+def with_old_and_ref_logp(shapes: UpdateShapes, model: nnx.Module, batch: UpdateBatch,
+                          ref_params: nnx.State | None, total_micro: int) -> UpdateBatch:
     """`batch` (a copy) with old_logp_BxC (several updates per step) and ref_logp_BxC
     (algo.loss.beta > 0), and without the sampler's log-probs where the loss does not read
     them."""
-    cfg = plan.cfg
+    cfg = shapes.cfg
     graphdef, policy, reference = policy_and_reference(model, ref_params)
     batch = dict(batch)  # entries are added and removed below, never in the caller's dict
     if not cfg.single_update:
-        batch["old_logp_BxC"] = forward_logp(plan, graphdef, policy, batch, total_micro)
+        batch["old_logp_BxC"] = forward_logp(shapes, graphdef, policy, batch, total_micro)
     if cfg.loss.beta > 0:
         if reference is None:
             raise ValueError(f"algo.loss.beta={cfg.loss.beta} > 0 adds a KL term: pass the "
                              f"reference params (jaxrl.step.reference_params)")
-        batch["ref_logp_BxC"] = forward_logp(plan, graphdef, reference, batch, total_micro)
+        batch["ref_logp_BxC"] = forward_logp(shapes, graphdef, reference, batch, total_micro)
     if not cfg.loss.uses_sampler_logp:
         del batch["sampler_logp_BxC"]
     return batch
 
 
-def forward_logp(plan: Plan, graphdef: nnx.GraphDef, states: tuple[nnx.State, ...],
-                 batch: Batch, num_micro: int) -> jax.Array:
+def forward_logp(shapes: UpdateShapes, graphdef: nnx.GraphDef, states: tuple[nnx.State, ...],
+                 batch: UpdateBatch, num_micro: int) -> jax.Array:
     """stop_gradient(logp_BxC) of the model `merge(graphdef, *states)`, by microbatches."""
     def one(mb):
         # A fresh copy per traced scope: nnx rejects Variables of another trace level.
         model = nnx.merge(graphdef, *states, copy=True)
-        return completion_log_probs(model, mb, plan.temperature, plan.cfg.logprob_chunk_size,
-                                    prompt_group=plan.group, budgets=plan.budgets)[0]
+        return completion_log_probs(model, mb, shapes.temperature, shapes.cfg.logprob_chunk_size,
+                                    prompt_group=shapes.group, budgets=shapes.budgets)[0]
 
     parts = jax.lax.map(one, jax.tree.map(lambda x: split_rows(x, num_micro), batch))
     return jax.lax.stop_gradient(unsplit_rows(parts))
 
 
-def update(plan: Plan, state: nnx.State, mini: Batch) -> tuple[nnx.State, tuple[Metrics, Any]]:
+def update(shapes: UpdateShapes, state: nnx.State, mini: UpdateBatch
+           ) -> tuple[nnx.State, tuple[Metrics, Any]]:
     """One optimizer update on minibatch `mini`: (new state, (metrics, skipped))."""
-    cfg = plan.cfg
-    ts = nnx.merge(plan.graphdef, state, copy=True)
+    cfg = shapes.cfg
+    ts = nnx.merge(shapes.graphdef, state, copy=True)
     counts_B = jnp.sum(mini["loss_mask_BxC"], axis=1)
     num_tokens, num_seqs = jnp.sum(counts_B), jnp.sum(counts_B > 0)
     entropy_coef = entropy_coef_at(cfg, ts.step)
     if cfg.loss.entropy_target is not None:
         entropy_coef = applied_entropy_coef(ts.optimizer.entropy_coef[...],
                                             ts.optimizer.last_entropy[...], cfg.loss)
-    grads, metrics = gradients(plan, state, ts, mini, num_tokens, num_seqs, entropy_coef)
+    grads, metrics = gradients(shapes, state, ts, mini, num_tokens, num_seqs, entropy_coef)
     if isinstance(grads, tuple):  # (policy, critic): each clipped by its own optimizer
         metrics["value/grad_norm"] = optax.tree.norm(grads[1])
     metrics["grad_norm"] = optax.tree.norm(grads[0] if isinstance(grads, tuple) else grads)
-    if plan.lr_schedule is not None:
-        metrics["lr"] = jnp.asarray(plan.lr_schedule(ts.step), jnp.float32)
+    if shapes.lr_schedule is not None:
+        metrics["lr"] = jnp.asarray(shapes.lr_schedule(ts.step), jnp.float32)
     if cfg.entropy_decay_start is not None:
         metrics["entropy_coef"] = entropy_coef
     finite = jnp.isfinite(metrics["grad_norm"])
     for name, value in metrics.items():
         if name.startswith(("loss/", "value/loss")):
             finite &= jnp.isfinite(value)
-    new_state = apply_if_finite(plan, state, grads, finite)
+    new_state = apply_if_finite(shapes, state, grads, finite)
     if cfg.loss.entropy_target is not None:
-        new_state, metrics["entropy_coef"] = adapt_entropy(plan, new_state, metrics["entropy"])
+        new_state, metrics["entropy_coef"] = adapt_entropy(shapes, new_state, metrics["entropy"])
     return new_state, (metrics, ~finite)
 
 
-def gradients(plan: Plan, state: nnx.State, ts: TrainState, mini: Batch, num_tokens: jax.Array,
+def gradients(shapes: UpdateShapes, state: nnx.State, ts: TrainState, mini: UpdateBatch,
+              num_tokens: jax.Array,
               num_seqs: jax.Array, entropy_coef: jax.Array) -> tuple[Any, Metrics]:
     """(grads, metrics) of minibatch `mini`, summed over its microbatches; grads has the
     trainable filter's structure (`TrainState.trainable`)."""
@@ -183,23 +240,23 @@ def gradients(plan: Plan, state: nnx.State, ts: TrainState, mini: Batch, num_tok
 
     def loss_fn(targets, mb, num_tokens, num_seqs, entropy_coef=None, packed_rows=None):
         model, critic = targets if isinstance(targets, tuple) else (targets, None)
-        return microbatch_loss(plan.cfg, model, mb, num_tokens, num_seqs, plan.temperature,
-                               entropy_coef=entropy_coef, prompt_group=plan.group,
+        return microbatch_loss(shapes.cfg, model, mb, num_tokens, num_seqs, shapes.temperature,
+                               entropy_coef=entropy_coef, prompt_group=shapes.group,
                                critic=critic, packed_rows=packed_rows)
 
     def accumulate(carry, mb):
         def at(rows):  # the microbatch's gradient, packed into `rows` rows (None: padded)
             def grad(state):
-                targets = nnx.merge(plan.graphdef, state, copy=True).trainable()
+                targets = nnx.merge(shapes.graphdef, state, copy=True).trainable()
                 return value_and_grad(loss_fn, targets, wrt)(
                     mb, num_tokens, num_seqs, entropy_coef, rows)
             return grad
 
-        if plan.budgets:  # the smallest packed shape that holds it (`jaxrl.step.packing`)
-            index = packing.branch(packing.plan_rows(mb["mask_BxT"], plan.completion_len),
-                                   plan.budgets)
+        if shapes.budgets:  # the smallest packed shape that holds it (`jaxrl.step.packing`)
+            index = packing.branch(packing.plan_rows(mb["mask_BxT"], shapes.completion_len),
+                                   shapes.budgets)
             (_, metrics), grads = jax.lax.switch(
-                index, [at(rows) for rows in (*plan.budgets, None)], state)
+                index, [at(rows) for rows in (*shapes.budgets, None)], state)
         else:
             (_, metrics), grads = at(None)(state)
         return jax.tree.map(jnp.add, carry, (grads, metrics)), None
@@ -207,13 +264,13 @@ def gradients(plan: Plan, state: nnx.State, ts: TrainState, mini: Batch, num_tok
     params = jax.tree.map(lambda m: nnx.state(m, trainable(m)), ts.trainable(),
                           is_leaf=lambda x: isinstance(x, nnx.Module))
     zero_metrics = jax.eval_shape(
-        lambda mb: loss_fn(nnx.merge(plan.graphdef, state, copy=True).trainable(), mb,
+        lambda mb: loss_fn(nnx.merge(shapes.graphdef, state, copy=True).trainable(), mb,
                            num_tokens, num_seqs)[1],
-        jax.tree.map(lambda x: x[:plan.minibatch // plan.num_micro], mini))
+        jax.tree.map(lambda x: x[:shapes.minibatch // shapes.num_micro], mini))
     zeros = (jax.tree.map(jnp.zeros_like, params),
              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics))
     (grads, metrics), _ = _scan(
-        accumulate, zeros, jax.tree.map(lambda x: split_rows(x, plan.num_micro), mini))
+        accumulate, zeros, jax.tree.map(lambda x: split_rows(x, shapes.num_micro), mini))
     return grads, metrics
 
 
@@ -230,7 +287,8 @@ def value_and_grad(loss_fn, targets, wrt):
         has_aux=True)(*targets, *rest)
 
 
-def apply_if_finite(plan: Plan, state: nnx.State, grads: Any, finite: jax.Array) -> nnx.State:
+def apply_if_finite(shapes: UpdateShapes, state: nnx.State, grads: Any, finite: jax.Array
+                    ) -> nnx.State:
     """The state after the optimizer step on `grads`, or `state` unchanged (every parameter,
     moment and count) where the loss or gradient was not finite. With one update per step, a
     conditional (a select fused into each parameter's update reads the old moments while
@@ -238,24 +296,24 @@ def apply_if_finite(plan: Plan, state: nnx.State, grads: Any, finite: jax.Array)
     updates' loop, an elementwise select of new against old, faster there than the
     conditional."""
     def apply(state, grads):
-        ts = nnx.merge(plan.graphdef, state, copy=True)
-        ts.apply_gradients(grads, plan.cfg.critic.warmup_steps * plan.cfg.updates_per_step)
+        ts = nnx.merge(shapes.graphdef, state, copy=True)
+        ts.apply_gradients(grads, shapes.cfg.critic.warmup_steps * shapes.cfg.updates_per_step)
         return nnx.state(ts)
 
-    if plan.cfg.single_update:
+    if shapes.cfg.single_update:
         return jax.lax.cond(finite, apply, lambda state, grads: state, state, grads)
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                         apply(state, grads), state)
 
 
-def adapt_entropy(plan: Plan, state: nnx.State, entropy: jax.Array
+def adapt_entropy(shapes: UpdateShapes, state: nnx.State, entropy: jax.Array
                   ) -> tuple[nnx.State, jax.Array]:
     """The adaptive entropy coefficient's controller after an update (algo.loss.
     entropy_target; it measures every update, applied or skipped, as TRL): (new state, the
     new coefficient)."""
-    ts = nnx.merge(plan.graphdef, state, copy=True)
+    ts = nnx.merge(shapes.graphdef, state, copy=True)
     opt = ts.optimizer
-    opt.entropy_coef[...] = adapt_entropy_coef(opt.entropy_coef[...], entropy, plan.cfg.loss)
+    opt.entropy_coef[...] = adapt_entropy_coef(opt.entropy_coef[...], entropy, shapes.cfg.loss)
     opt.last_entropy[...] = entropy
     return nnx.state(ts), opt.entropy_coef[...]
 

@@ -101,15 +101,15 @@ def test_export_falls_back_from_a_damaged_newest_checkpoint(trained, tmp_path, c
 
 def test_non_finite_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch, capsys):
     # A loss that is NaN (a NaN reward no longer gets this far: it is a reward error, 0).
-    from jaxrl.step import phases
+    from jaxrl.step import updates
 
-    policy_loss = phases.policy_loss
+    policy_loss = updates.policy_loss
 
     def nan_loss(*args, **kwargs):
         loss, metrics = policy_loss(*args, **kwargs)
         return loss * jax.numpy.nan, metrics
 
-    monkeypatch.setattr(phases, "policy_loss", nan_loss)
+    monkeypatch.setattr(updates, "policy_loss", nan_loss)
     cfg = _config(tmp_path, *QUICK, "train.max_steps=10", "train.max_skipped_in_a_row=3",
                   "train.checkpoint_every=1")
     from jaxrl.run import loop

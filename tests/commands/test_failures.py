@@ -86,7 +86,7 @@ def test_lora_adapters_too_big_for_the_devices_are_refused_before_they_are_drawn
     def refuse(*args, **kwargs):
         raise AssertionError("the policy and its adapters were made")
 
-    monkeypatch.setattr(build, "from_pretrained", refuse)
+    monkeypatch.setattr(build, "load_policy", refuse)
     assert main(["train", QUICKSTART, f"train.run_dir={tmp_path / 'r'}",
                  "model.lora.rank=1000000", "perf.memory_limit_gib=1"]) == EXIT_CONFIG_ERROR
     err = " ".join(capsys.readouterr().err.split())

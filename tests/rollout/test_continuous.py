@@ -17,7 +17,7 @@ from jaxrl.rollout.decode_loop import (
     EngineConfig,
     advance,
     begin,
-    plan,
+    decode_setup,
     rollout,
 )
 from jaxrl.rollout.pages import PoolLayout, worst_row_pages
@@ -44,7 +44,7 @@ def engine_sampler(temperature, slots, batching="continuous", page_size=4, row_p
                    stop=(), max_new=NEW_TOKENS, min_slots=None):
     engine = EngineConfig(max_slots=slots, page_size=page_size, batching=batching,
                           row_pages=row_pages, pages_per_block=2, min_slots=min_slots)
-    config = SamplerConfig(max_new, GROUP, stop_token_ids=stop,
+    config = SamplerConfig(max_new, GROUP, end_token_ids=stop,
                            sampling=SamplingParams(temperature), engine=engine)
     return Sampler(policy(*LLAMA)[0], config)
 
@@ -173,10 +173,10 @@ def test_pages_are_given_back_and_reused():
     @jax.jit
     def run(state):
         model = nnx.merge(graphdef, state)
-        plan_ = plan(model.config, engine, len(PROMPT_LENGTHS), ids.shape[1], ROWS, NEW_TOKENS,
-                     (), SamplingParams(0.7))
-        progress = advance(model, plan_, begin(
-            model, plan_, ids, mask, keys, jnp.full((ROWS,), NEW_TOKENS, jnp.int32),
+        setup = decode_setup(model.config, engine, len(PROMPT_LENGTHS), ids.shape[1], ROWS,
+                             NEW_TOKENS, (), SamplingParams(0.7))
+        progress = advance(model, setup, begin(
+            model, setup, ids, mask, keys, jnp.full((ROWS,), NEW_TOKENS, jnp.int32),
             NEW_TOKENS, 0), keys)
         final = progress.state
         return final.free.count, jnp.sort(final.free.ids_F), final.row_S, progress.steps

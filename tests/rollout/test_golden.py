@@ -62,7 +62,7 @@ def rl_rows(model, case):
     from jaxrl.rollout.types import SamplerConfig
 
     ids, mask = _left_padded(PROMPTS)
-    config = SamplerConfig(max_new_tokens=9, num_generations=2, stop_token_ids=(STOP,),
+    config = SamplerConfig(max_new_tokens=9, num_generations=2, end_token_ids=(STOP,),
                            sampling=SamplingParams(temperature=1.0),
                            engine=EngineConfig(**RL_CASES[case]))
     out = jax.jit(lambda m: sample_continuous(m, ids, mask, jax.random.key(7), config))(model)
@@ -92,17 +92,18 @@ def served(model, temperature, layout=None, num_slots=2):
     @jax.jit
     def prefill(weights, ids_L, n, key):
         with split.use_rules():
-            return serving.prefill(nnx.merge(graphdef, weights), ids_L, n, key, sampling, 9)
+            return serving.prefill_request(nnx.merge(graphdef, weights), ids_L, n, key, sampling, 9)
 
     @jax.jit
     def insert(state, prefix, slot):
-        return split.on_owner(lambda state, slot, prefix: serving.insert(
+        return split.on_owner(lambda state, slot, prefix: serving.insert_request(
             state, prefix, slot, pool, stops), state, slot, prefix)
 
     @jax.jit
     def generate(weights, state):
-        return split.on_each(lambda state, weights: serving.generate(
-            nnx.merge(graphdef, weights), state, pool, stops, sampling, slots.Attention()),
+        return split.on_each(lambda state, weights: serving.emit_and_generate(
+            nnx.merge(graphdef, weights), state, pool, stops, sampling,
+            slots.PagedAttentionSettings()),
             state, weights)
 
     state = jax.jit(lambda: split.init(model.config, pool))()
@@ -172,7 +173,7 @@ def episodes(model, layout=None, num_slots=3):
     ids, mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
     turns = Generation(max_new_tokens=4, max_turns=3, max_total_tokens=20,
                        engine=EngineConfig(page_size=4))
-    config = MultiTurnConfig(turns, num_slots=num_slots, stop_token_ids=(STOP,),
+    config = MultiTurnConfig(turns, num_slots=num_slots, turn_end_token_ids=(STOP,),
                              eos_token_ids=(EOS,), chunk_width=8)
     mesh, rules = _mesh(layout)
     out = rollout_multiturn(model, ids, mask, [EchoEnv() for _ in range(8)],

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxrl.models import Transformer
 from jaxrl.models.lora_config import LORA_MODULES, LoraConfig
-from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams, sample
+from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams, sample_dense
 from tests.conftest import FAMILIES, make_tiny_config
 
 # The default init (std 0.02, unit norms) gives near-uniform logits, and with tied embeddings
@@ -185,7 +185,8 @@ def test_generations_share_one_prefill_and_are_prompt_major():
     num_prompts, width = ids.shape
     hidden = make_tiny_config("llama").hidden_size
     graphdef, state = policy(*LLAMA)
-    jaxpr = str(jax.make_jaxpr(lambda s, i, m, k: sample(nnx.merge(graphdef, s), i, m, k, T07))(
+    jaxpr = str(jax.make_jaxpr(
+        lambda s, i, m, k: sample_dense(nnx.merge(graphdef, s), i, m, k, T07))(
         state, ids, mask, jax.random.key(0)))
     # The prefill's activations hold one row per prompt, never one per generation.
     assert f"f32[{num_prompts},{width},{hidden}]" in jaxpr
@@ -235,7 +236,7 @@ def test_early_stop():
     finish_B = _finish_steps(tokens_BxC, stop_ids)
 
     pad = 1
-    config = SamplerConfig(NEW_TOKENS, GROUP, stop_token_ids=tuple(int(i) for i in stop_ids),
+    config = SamplerConfig(NEW_TOKENS, GROUP, end_token_ids=tuple(int(i) for i in stop_ids),
                            pad_token_id=pad, sampling=SamplingParams(0.0))
     rollout = sampler(config, *LLAMA).generate(policy(*LLAMA)[1], prompts(), jax.random.key(0))
     mask_BxC = np.arange(NEW_TOKENS)[None, :] <= finish_B[:, None]
@@ -261,7 +262,7 @@ def test_scanned_layers_give_the_same_rollout():
     # `sample` under a jit that closes over a model built outside it (the layer scan must
     # accept Variables from another trace level, here and in the decode loop).
     model = nnx.merge(graphdef, state)
-    closed_over = jax.jit(lambda ids, mask, key: sample(model, ids, mask, key, T07))(
+    closed_over = jax.jit(lambda ids, mask, key: sample_dense(model, ids, mask, key, T07))(
         *prompts(), jax.random.key(0))
     for scanned in (through_engine, closed_over):
         np.testing.assert_array_equal(scanned.completion_ids_BxC, unrolled.completion_ids_BxC)

@@ -19,7 +19,7 @@ from jaxrl.rollout.sampling import SamplingParams
 from jaxrl.rollout.types import SamplerConfig, row_keys
 
 EOS = 2
-XLA = slots.Attention()
+XLA = slots.PagedAttentionSettings()
 QUICKSTART = shipped_config("quickstart.yaml")
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31], [8, 9, 10, 11], [40, 41, 42]]
 
@@ -51,7 +51,7 @@ def _reference(model, prompts, key, sampling, max_new_tokens, stop=(EOS,)):
     mask = np.zeros((len(prompts), width), bool)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, True
-    config = SamplerConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop, sampling=sampling,
+    config = SamplerConfig(max_new_tokens=max_new_tokens, end_token_ids=stop, sampling=sampling,
                            engine=EngineConfig(max_slots=2))
     out = jax.jit(lambda m: sample_continuous(m, ids, mask, key, config))(model)
     return [[int(t) for t, m in zip(row, rmask, strict=True) if m]
@@ -61,9 +61,9 @@ def _reference(model, prompts, key, sampling, max_new_tokens, stop=(EOS,)):
 def _serve(model, prompts, keys, sampling, shape, stop=(EOS,)):
     """Every prompt through prefill / insert / generate as a server drives them: a request
     takes the first free slot (a slot is free once it returned an invalid token)."""
-    prefill = jax.jit(serving.prefill, static_argnums=(4, 5))
-    insert = jax.jit(serving.insert, static_argnums=(3, 4))
-    generate = jax.jit(serving.generate, static_argnums=(2, 3, 4, 5))
+    prefill = jax.jit(serving.prefill_request, static_argnums=(4, 5))
+    insert = jax.jit(serving.insert_request, static_argnums=(3, 4))
+    generate = jax.jit(serving.emit_and_generate, static_argnums=(2, 3, 4, 5))
     stops, layout = slots.Stops(row_ids=tuple(stop)), shape.pool
     state = slots.init(model.config, layout, shape.num_slots)
     pending, owner, outputs = list(range(len(prompts))), {}, {i: [] for i in range(len(prompts))}
@@ -125,12 +125,12 @@ def test_a_request_inserted_over_a_live_slot_is_unaffected_by_it(model):
     for i, slot in ((0, 0), (1, 0)):  # B over A after 3 steps, with A live
         ids_L = np.zeros((8,), np.int32)
         ids_L[:len(PROMPTS[i])] = PROMPTS[i]
-        prefix = serving.prefill(model, ids_L, len(PROMPTS[i]), keys[i], sampling, 8)
-        state = serving.insert(state, prefix, slot, layout, stops)
+        prefix = serving.prefill_request(model, ids_L, len(PROMPTS[i]), keys[i], sampling, 8)
+        state = serving.insert_request(state, prefix, slot, layout, stops)
         got = []
         for _ in range(3 if i == 0 else 9):
             assert i == 1 or bool(state.live_S[0])
-            state, out = serving.generate(model, state, layout, stops, sampling, XLA)
+            state, out = serving.emit_and_generate(model, state, layout, stops, sampling, XLA)
             if bool(out.valid_S[0]):
                 got.append(int(out.token_S[0]))
     assert got == want

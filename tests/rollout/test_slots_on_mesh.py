@@ -49,16 +49,17 @@ def _server(layout, num_slots):
 
     def prefill(weights, ids_L, n):
         with split.use_rules():
-            return serving.prefill(nnx.merge(graphdef, weights), ids_L, n, jax.random.key(0),
-                                   sampling, 9)
+            return serving.prefill_request(nnx.merge(graphdef, weights), ids_L, n,
+                                           jax.random.key(0), sampling, 9)
 
     def insert(state, prefix, slot):
-        return split.on_owner(lambda state, slot, prefix: serving.insert(
+        return split.on_owner(lambda state, slot, prefix: serving.insert_request(
             state, prefix, slot, pool, stops), state, slot, prefix)
 
     def generate(weights, state):
-        return split.on_each(lambda state, weights: serving.generate(
-            nnx.merge(graphdef, weights), state, pool, stops, sampling, slots.Attention()),
+        return split.on_each(lambda state, weights: serving.emit_and_generate(
+            nnx.merge(graphdef, weights), state, pool, stops, sampling,
+            slots.PagedAttentionSettings()),
             state, weights)
 
     return split, weights, pool, init, prefill, insert, generate

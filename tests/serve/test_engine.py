@@ -28,7 +28,7 @@ def make_engine(model_dir, *, layout="fsdp_tp", slots=SLOTS, stop=(2,)):
     model = from_pretrained(model_dir, mesh=mesh, rules=preset.rollout_rules)
     graphdef, params = nnx.split(model)
     spec = EngineSpec(num_slots=slots, max_prefill_length=PREFILL, max_new_tokens=NEW, page_size=4,
-                      sampling=SamplingParams(temperature=0.0), stop_token_ids=stop,
+                      sampling=SamplingParams(temperature=0.0), end_token_ids=stop,
                       tokenizer_dir=str(model_dir), chat_template=True, buckets=(16, PREFILL))
     return JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=preset.rollout_rules)
 

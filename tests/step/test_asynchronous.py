@@ -52,10 +52,10 @@ def _build(max_staleness, sampler_config=SAMPLER, optim=OPTIM, inflight=False,
     graphdef, state = nnx.split(ts)
     sampler = Sampler(nnx.graphdef(ts.model), sampler_config, mesh=rollout_mesh,
                       rules=rollout_layout.rollout_rules)
+    train = (train_mesh, train_layout.train_rules)
     source = QueuedRollouts(sampler, rollout=(rollout_mesh, rollout_layout.rollout_rules),
-                            max_staleness=max_staleness, inflight_updates=inflight)
-    step = Step(BASE, graphdef, source, rewards, optim=optim, mesh=train_mesh,
-                rules=train_layout.train_rules, phase_times=False)
+                            train=train, max_staleness=max_staleness, inflight_updates=inflight)
+    step = Step(BASE, graphdef, source, rewards, optim=optim, mesh=train[0], rules=train[1])
     return step, state, graphdef
 
 
@@ -96,7 +96,7 @@ def test_staleness_one_trains_each_batch_on_weights_one_update_old():
     for h in history[1:]:
         assert abs(h["tis/weight_mean"] - 1) > 1e-4 and np.isfinite(h["loss/policy"])
     with pytest.raises(ValueError, match="called for step 5, but its queue starts at 3"):
-        step(None, 5, _inputs)
+        step.source.next(None, 5, _inputs, None)  # the queue's order, before any weights
 
 
 def test_inflight_updates_with_unchanged_weights_give_the_one_piece_batches():

@@ -26,7 +26,7 @@ from tests.conftest import make_tiny_config
 
 CONFIG = make_tiny_config("llama")
 NUM_PROMPTS, PROMPT_LEN = 4, 5
-SAMPLER = SamplerConfig(max_new_tokens=6, num_generations=4, stop_token_ids=(1, 2, 3, 4, 5))
+SAMPLER = SamplerConfig(max_new_tokens=6, num_generations=4, end_token_ids=(1, 2, 3, 4, 5))
 ROWS = NUM_PROMPTS * SAMPLER.num_generations
 # eps well above fp32 roundoff of the gradients: Adam's first step, lr * g / (|g| + eps), is
 # then smooth in g, so entries near 0 cannot flip sign between two summation orders.
@@ -242,7 +242,7 @@ def test_a_single_update_step_takes_its_old_log_probs_from_its_own_forward():
     # One update per step: old_logp = stop_gradient(new logp) of the loss's own forward gives
     # the same update as a separate forward pass of the (same) old policy.
     from jaxrl.step.forward import completion_log_probs
-    from jaxrl.step.updates import train_on
+    from jaxrl.step.updates import apply_updates
 
     cfg = AlgoSection(microbatch_size=4, loss=PolicyLossConfig(beta=0.0))
     assert cfg.single_update and not dataclasses.replace(cfg, num_minibatches=2).single_update
@@ -260,7 +260,7 @@ def test_a_single_update_step_takes_its_old_log_probs_from_its_own_forward():
     def updated(batch):
         ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
                                 _mesh("single"), load_layout("single").train_rules)
-        metrics = train_on(cfg, ts, batch, 1.0)
+        metrics = apply_updates(cfg, ts, batch, 1.0)
         return _params(ts), jax.device_get(metrics)
 
     ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
@@ -315,15 +315,15 @@ def test_the_adaptive_entropy_coefficient_is_kept_with_the_optimizer():
 @pytest.mark.parametrize("minibatches", [1, 2])  # a conditional; a select inside the loop
 def test_a_non_finite_update_leaves_every_parameter_moment_and_count_as_it_was(monkeypatch,
                                                                                minibatches):
-    from jaxrl.step import phases
+    from jaxrl.step import updates
 
-    policy_loss = phases.policy_loss
+    policy_loss = updates.policy_loss
 
     def nan_loss(*args, **kwargs):
         loss, metrics = policy_loss(*args, **kwargs)
         return loss * jnp.nan, metrics
 
-    monkeypatch.setattr(phases, "policy_loss", nan_loss)
+    monkeypatch.setattr(updates, "policy_loss", nan_loss)
     ts = create_train_state(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0)), OPTIM,
                             _mesh("single"), load_layout("single").train_rules)
     graphdef, state = nnx.split(ts)

@@ -17,7 +17,7 @@ from jaxrl.rollout import Sampler
 from jaxrl.sharding import load_layout
 from jaxrl.step import create_train_state
 from jaxrl.step.builder import build_step
-from jaxrl.step.phases import microbatch_loss
+from jaxrl.step.updates import microbatch_loss
 from tests.conftest import make_tiny_config
 from tests.step.test_builder import OPTIM, REWARDS, SAMPLER, _assert_close, _inputs, _mesh, _params
 

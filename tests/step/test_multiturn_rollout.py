@@ -110,7 +110,8 @@ def test_extend_equals_the_full_forward_and_token_by_token_decoding(family, over
     state = slots.insert_home(state, layout, prefix, row, 1, stops)  # slot 1
     turn = [int(first[0][0])]
     for _ in range(2):
-        state, drawn = slots.generate(model, state, layout, slots.Attention(), stops, sampling)
+        state, drawn = slots.generate(model, state, layout, slots.PagedAttentionSettings(), stops,
+                                      sampling)
         turn.append(int(drawn.token_S[1]))
     assert bool(drawn.turn_end_S[1]) and not bool(state.live_S[1])  # the turn's 3rd token
     obs = [11, 12, 13, 14, 15]
@@ -185,7 +186,7 @@ def test_sampler_log_probs_equal_the_trainers(model, g, family):
     sampling = SamplingParams(temperature=1.0)
     ids, mask = _prompts(PROMPTS, g)
     envs = [EchoEnv() for _ in range(len(ids))]
-    config = turns(4, 24, 5, num_slots=3, chunk_width=3, stop_token_ids=(7, 9))
+    config = turns(4, 24, 5, num_slots=3, chunk_width=3, turn_end_token_ids=(7, 9))
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(2), config,
                             sampling, num_generations=g)
     r = out.rollout
@@ -272,7 +273,7 @@ def test_one_or_four_slots_give_the_same_tokens_without_recompiling(model):
     ids, mask = _prompts(PROMPTS, 2)
 
     def run(slots):
-        config = turns(4, 24, 5, num_slots=slots, chunk_width=4, stop_token_ids=(7, 9),
+        config = turns(4, 24, 5, num_slots=slots, chunk_width=4, turn_end_token_ids=(7, 9),
                        eos_token_ids=(EOS,))
         envs = [EchoEnv() for _ in range(len(ids))]
         return rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(5),
@@ -308,11 +309,30 @@ def test_a_failing_environment_names_its_row(model):
         rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config)
 
 
+def test_observation_ids_outside_the_vocabulary_are_counted_never_fed(model):
+    """Observations whose ids fall outside the model's vocabulary of 48, given (sample 1) or
+    encoded from text by a tokenizer that knows more tokens than the model's embedding
+    (sample 2), are counted with the first one's message, never fed: their episodes end
+    there, truncated; the run goes on."""
+    ids, mask = _prompts(PROMPTS[:2], 2)
+    config = turns(2, 12, 4, num_slots=2, chunk_width=8)  # the programs of the test above
+    envs = [ScriptedEnv([Observation(done=True)]), ScriptedEnv([Observation(ids=[3, 48])]),
+            ScriptedEnv([Observation(text="3 48 50")]), ScriptedEnv([Observation(text="3 4")])]
+    out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config,
+                            num_generations=2)
+    assert out.vocab_errors_B.tolist() == [0, 1, 1, 0]
+    assert out.truncated_B.tolist()[1:3] == [True, True]
+    assert out.vocab_error == ("sample 1, turn 1: Observation.ids must be token ids in "
+                               "[0, 48) (the model's vocabulary), got [48]")
+    assert not out.observation_mask_BxC[1:3].any()  # nothing of theirs was fed
+    assert out.observation_mask_BxC[3].sum() == 2  # "3 4": fed
+
+
 def test_a_run_names_the_environment_and_dataset_row_of_a_failure(model):
     """`run_episodes`, as a run calls it: prompts of dataset rows 7 and 9, two samples each,
-    the third sample's environment broken. A broken contract (an id past the model's
-    vocabulary of 48) ends the rollout at its turn, named with `data.env` and the sample's
-    dataset row; so does a factory that fails on that sample."""
+    the third sample's environment broken. A broken contract (a reward that is not a finite
+    number) ends the rollout at its turn, named with `data.env` and the sample's dataset row;
+    so does a factory that fails on that sample."""
     ids, mask = _prompts(PROMPTS[:2])
     config = turns(2, 12, 4, num_slots=2, chunk_width=8)  # the programs of the test above
     rows = [{"id": i} for i in range(10)]
@@ -330,9 +350,8 @@ def test_a_run_names_the_environment_and_dataset_row_of_a_failure(model):
 
     where = "data.env='tests:scripted', dataset row 9 (sample 2 of the batch)"
     for make_bad, message in (
-            (lambda: ScriptedEnv([Observation(ids=[3, 48])]),
-             f"{where}, turn 1: Observation.ids must be token ids in [0, 48) (the model's "
-             f"vocabulary), got [48]"),
+            (lambda: ScriptedEnv([Observation(reward=float("nan"))]),
+             f"{where}, turn 1: Observation.reward must be a finite number or None, got nan"),
             (exhausted, f"{where}: the factory (row -> Environment) raised OSError: the "
                         f"simulator pool is exhausted")):
         episodes = Episodes(broken_third(make_bad), rows, encode, decode, config,

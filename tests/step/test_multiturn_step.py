@@ -69,7 +69,7 @@ def _params_after_update(observation_ids, observation_mask=True):
     step = build_step(ALGO, graphdef, sampler, REWARDS, optim=OPTIM, phase_times=False)
     rollout, prompts = _rollout(observation_ids, observation_mask)
     inputs = reward_inputs(rollout, {}, jnp.arange(P, dtype=jnp.int32), G)
-    state, out = step._train(state, rollout, inputs, None, None)
+    state, out = step._program(state, rollout, inputs, None, None)
     ts = nnx.merge(graphdef, state)
     return (jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(ts.model, nnx.Param))),
             jax.device_get(out.metrics))
@@ -108,7 +108,7 @@ def test_multiturn_step_runs_episodes_with_turn_and_tool_metrics():
     stop = 5  # every turn ends at token 5 (kept) or after 6 tokens
     sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=6, num_generations=G))
     config = MultiTurnConfig(Generation(max_new_tokens=6, max_turns=3, max_total_tokens=16),
-                             num_slots=8, stop_token_ids=(stop,), eos_token_ids=(2,))
+                             num_slots=8, turn_end_token_ids=(stop,), eos_token_ids=(2,))
     episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
                         lambda ids: " ".join(map(str, ids)), config)
     graphdef, state = nnx.split(ts)
@@ -146,7 +146,7 @@ def _episode_step(layout_name, devices):
     sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(max_new_tokens=6, num_generations=G),
                       mesh=mesh, rules=layout.rollout_rules)
     config = MultiTurnConfig(Generation(max_new_tokens=6, max_turns=3, max_total_tokens=16),
-                             num_slots=8, stop_token_ids=(5,), eos_token_ids=(2,))
+                             num_slots=8, turn_end_token_ids=(5,), eos_token_ids=(2,))
     episodes = Episodes(_CountingEnv, [{} for _ in range(2 * P)], lambda text: [9] * len(text),
                         lambda ids: " ".join(map(str, ids)), config)
     graphdef, state = nnx.split(ts)

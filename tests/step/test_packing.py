@@ -2,7 +2,7 @@
 
 The plan places every real token once, in order, rows never straddling; a packed forward gives
 each sequence the hidden states of its own padded row and never attends across a segment;
-and `train_on` with `algo.packing` on equals it off (loss, grad norm, every metric and the
+and `apply_updates` with `algo.packing` on equals it off (loss, grad norm, every metric and the
 updated parameters) for every aggregation, KL on and off, GSPO and LUSPO sequence ratios,
 several updates (the old-log-prob forward packed), multi-turn observation masks, GAE with a
 value head and with a separate critic, LoRA and an MoE's router loss. Every case checks that
@@ -28,7 +28,7 @@ from jaxrl.rollout import Prompts, Sampler, SamplerConfig
 from jaxrl.sharding import load_layout, make_mesh, use_rules
 from jaxrl.step import build_step, create_train_state, packing, reference_params
 from jaxrl.step.critic import gae_batch
-from jaxrl.step.updates import train_on
+from jaxrl.step.updates import apply_updates
 from tests.conftest import make_tiny_config
 
 LLAMA = make_tiny_config("llama")
@@ -139,7 +139,7 @@ def test_a_packed_sequence_gets_its_own_rows_hidden_states_and_sees_no_other(fam
 
 def _train(cfg: AlgoSection, config=LLAMA, *, observations=False, fixed=False, rows=ROWS,
            layout="single"):
-    """(metrics, updated params) of `train_on` on a long-tailed batch, one jitted program
+    """(metrics, updated params) of `apply_updates` on a long-tailed batch, one jitted program
     (on `layout`'s mesh over every device, its train rules active)."""
     lay = load_layout(layout)
     mesh = make_mesh(lay, jax.devices()[:1] if layout == "single" else None)
@@ -157,7 +157,7 @@ def _train(cfg: AlgoSection, config=LLAMA, *, observations=False, fixed=False, r
             b, extra = batch, {}
             if cfg.advantage == "gae":
                 b, extra = gae_batch(cfg, ts, batch)
-            metrics = train_on(cfg, ts, b, 1.0, ref_params=ref)
+            metrics = apply_updates(cfg, ts, b, 1.0, ref_params=ref)
             return metrics | extra, nnx.state(ts, nnx.Param)
 
     metrics, params = step(state, batch)
@@ -165,7 +165,7 @@ def _train(cfg: AlgoSection, config=LLAMA, *, observations=False, fixed=False, r
 
 
 def _assert_same(cfg: AlgoSection, config=LLAMA, packed_frac=1.0, **kw):
-    """`train_on` packed ≡ padded; `packed_frac`: the microbatches expected to pack."""
+    """`apply_updates` packed ≡ padded; `packed_frac`: the microbatches expected to pack."""
     padded, padded_params = _train(dataclasses.replace(cfg, packing=False), config, **kw)
     packed, packed_params = _train(cfg, config, **kw)
     assert packed["train/packed_frac"] == packed_frac
@@ -272,7 +272,7 @@ def _step(cfg: AlgoSection):
     ts = create_train_state(lambda: Transformer(LLAMA, rngs=nnx.Rngs(0)), OPTIM, mesh,
                             load_layout("single").train_rules)
     sampler = Sampler(nnx.graphdef(ts.model), SamplerConfig(
-        max_new_tokens=C, num_generations=4, stop_token_ids=(1, 2, 3, 4, 5)))
+        max_new_tokens=C, num_generations=4, end_token_ids=(1, 2, 3, 4, 5)))
     rewards = RewardSet([JaxReward("small_ids", _small_ids)], decode=None)
     graphdef, state = nnx.split(ts)
     step = build_step(cfg, graphdef, sampler, rewards, optim=OPTIM, phase_times=False)

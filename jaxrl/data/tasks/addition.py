@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from jaxrl.data.tokenizer import make_char_tokenizer
 
-ALPHABET = "0123456789+="
+ADDITION_ALPHABET = "0123456789+="
 
 
 Split = Literal["train", "eval"]
@@ -54,8 +54,8 @@ def held_out(x_N: np.ndarray, y_N: np.ndarray) -> np.ndarray:
 
 
 def make_addition_tokenizer() -> PreTrainedTokenizerFast:
-    """The char-level tokenizer of the task: 4 specials then ALPHABET (16 ids)."""
-    return make_char_tokenizer(ALPHABET)
+    """The char-level tokenizer of the task: 4 specials then ADDITION_ALPHABET (16 ids)."""
+    return make_char_tokenizer(ADDITION_ALPHABET)
 
 
 @dataclasses.dataclass(frozen=True)

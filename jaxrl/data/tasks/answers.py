@@ -6,7 +6,7 @@ Extraction, shared by the math tasks (gsm8k, competition_math) and the answer fo
                           braces balanced (\\boxed{\\frac{1}{2}} gives \\frac{1}{2}); an unclosed
                           box (a truncated completion) is none
     after_hashes(text)    the rest of the line of the last "####" (GSM8K's answer marker)
-    final_answer(text)    the last boxed content, else after_hashes, else None
+    boxed_answer(text)    the last boxed content, else after_hashes, else None
 
 Checking: `equal(gold, answer)` is 1.0 when math_verify finds the two mathematically equal
 (0.5 = 1/2, 72.0 = 72, \\$72 = 72), else 0.0. Both strings go to math_verify re-boxed,
@@ -60,7 +60,7 @@ def after_hashes(text: str) -> str | None:
     return line or None
 
 
-def final_answer(text: str) -> str | None:
+def boxed_answer(text: str) -> str | None:
     """The last \\boxed{...} content, else the rest of the last "####" line, else None."""
     boxed = boxed_contents(text)
     return boxed[-1] if boxed else after_hashes(text)
@@ -83,8 +83,8 @@ def equal(gold: str, answer: str | None) -> float:
     """1.0 if math_verify finds `answer` equal to `gold`, else 0.0 (0.0 for no answer)."""
     if answer is None:
         return 0.0
-    # Imported at the first check: math_verify imports sympy (~1 s of every command's start,
-    # most of which never check a math answer).
+    # Imported at the first check: math_verify imports sympy (a second of start-up that most
+    # commands, which never check a math answer, need not pay).
     from math_verify import parse, verify
 
     timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None

@@ -27,7 +27,7 @@ _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"  # identifiers joined by dots
 _PATH_RE = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
 
 
-def render_prompt(text: str) -> str:
+def render_custom_prompt(text: str) -> str:
     """A custom prompt is the column's text as it is."""
     return text
 

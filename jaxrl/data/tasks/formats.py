@@ -3,7 +3,7 @@ the format reward that checks the shape of a completion.
 
     boxed  the prompt asks to reason, then write the final answer alone in \\boxed{...}.
            Final answer: the last complete \\boxed{} (else the rest of the last "####" line,
-           answers.final_answer). Format reward: 1 iff the completion has exactly one
+           answers.boxed_answer). Format reward: 1 iff the completion has exactly one
            top-level non-blank \\boxed{...}.
     tags   the prompt asks to think inside <think> </think>, then write the final answer
            inside <answer> </answer>. Final answer: the content of the last complete
@@ -57,7 +57,7 @@ def final_answer(completion: str, answer_format: AnswerFormat) -> str | None:
     """The completion's final answer in `answer_format` (module docstring), or None."""
     _check(answer_format)
     if answer_format == "boxed":
-        return answers.final_answer(completion)
+        return answers.boxed_answer(completion)
     blocks = _ANSWER_BLOCK_RE.findall(completion)
     if not blocks:
         return None

@@ -57,8 +57,8 @@ def make_task(config: DataSection, *, seed: int) -> Task:
         return tool_multiplication_task(config.num_digits, config.num_prompts, seed)
     rewards = _dataset_rewards(config)
     if config.task == "custom":
-        return dataset_task(config, render=custom.render_prompt, carry_answer=False, gold=None,
-                            rewards=rewards)
+        return dataset_task(config, render=custom.render_custom_prompt, carry_answer=False,
+                            gold=None, rewards=rewards)
     module, render = _MATH_TASKS[config.task]
     return dataset_task(config, render=_in_format(render, config.format), carry_answer=True,
                         gold=None if config.reward_fn else module.gold_answer, rewards=rewards)

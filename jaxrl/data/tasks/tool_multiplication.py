@@ -21,8 +21,8 @@ weighted 0.5 each, so the total is in [0, 1] and a sample is solved when both ar
 call reward is shaping: no random policy writes a whole call, so without it the answer
 reward would never see a product. The answer's gate makes this a tool-use task: a tiny
 policy cannot compute the product, and without the gate its guessed digits would earn
-random partial credit, noise that drowns the call's small per-character signal (measured:
-with the answer ungated at weight 0.75, the call reward stayed under 0.2 for 400 steps).
+random partial credit, noise that drowns the call's small per-character signal
+(benchmarks/README.md, "Multi-turn RL with a calculator tool").
 
 Operands are drawn from [10^(n-1), 10^n) (no leading zeros: the calculator reads Python
 integers); a fixed tenth of the pairs is held out for evaluation (`addition.held_out`).
@@ -41,7 +41,7 @@ from jaxrl.data.tasks.task import Task, no_device_fields
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.rl.rewards import PythonReward
 
-ALPHABET = "0123456789*="
+MULTIPLICATION_ALPHABET = "0123456789*="
 CALL, CALL_END, RESULT, RESULT_END = "<call>", "</call>", "<result>", "</result>"
 TAGS = (CALL, CALL_END, RESULT, RESULT_END)
 ANSWER_WEIGHT, CALL_WEIGHT = 0.5, 0.5
@@ -49,8 +49,8 @@ _CHUNK = 1024
 
 
 def make_tool_tokenizer() -> PreTrainedTokenizerFast:
-    """Characters of ALPHABET plus the four tags as single tokens (20 ids)."""
-    return make_char_tokenizer(ALPHABET, extra_tokens=TAGS)
+    """Characters of MULTIPLICATION_ALPHABET plus the four tags as single tokens (20 ids)."""
+    return make_char_tokenizer(MULTIPLICATION_ALPHABET, extra_tokens=TAGS)
 
 
 def sample_problems(num_digits: int, n: int, seed: int, split: str = "train"

@@ -7,7 +7,10 @@
     checkpoint   every train.checkpoint_every steps, at the end and on a stop
     evaluation   every eval.every steps (not at the last: the run's end evaluates)
 
-`train_hooks` lists them in the order they run.
+`train_hooks` lists them in the order they run. `jaxrl bench` runs the curriculum with its own:
+
+    timing       each step waited for and timed on the host; the measured steps' records
+    profiling    a jax.profiler trace of the measured steps
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def train_hooks(cfg: ExperimentConfig, started: Started, stop: StopRequest,
                 console: Console) -> list[Hook]:
     """`jaxrl train`'s hooks, in order: a stop is known before the checkpoint decides, and
     a record is observed by the curriculum before the guards may end the run."""
-    return [PreemptionHook(stop, started.run.step),
+    return [PreemptionHook(stop, started.run.queue),
             CurriculumHook(),
             ProgressHook(console, cfg.train.max_steps, started.start_step, cfg.log.print_every),
             RewardGuard(cfg.train, started.run.rows),

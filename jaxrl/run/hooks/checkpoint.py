@@ -21,7 +21,7 @@ class CheckpointHook(Hook):
                                                         or done == self.max_steps))
 
     def after_step(self, trainer: Trainer, done: int) -> None:
-        step = trainer.run.step
-        queue = queue_checkpoint(step.source, trainer.drawn) if step.source.keeps_queue else None
+        made_ahead = trainer.run.queue
+        queue = None if made_ahead is None else queue_checkpoint(made_ahead, trainer.drawn)
         self.checkpoints.save(done, trainer.state, trainer.run.batches.state(),
                               trainer.started.key, queue=queue)

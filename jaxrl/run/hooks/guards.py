@@ -8,7 +8,7 @@ first; no checkpoint of the failing state is made):
   stops with `RewardFailureError`, whose message holds that reward's first error (the count
   restarts on resume).
 - non-finite: an update whose loss or gradient is not finite is skipped in the program
-  (`train_on`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
+  (`apply_updates`); after `train.max_skipped_in_a_row` such steps in a row the run stops with
   `NonFiniteError`.
 """
 

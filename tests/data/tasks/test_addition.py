@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl.data.tasks.addition import (
-    ALPHABET,
+    ADDITION_ALPHABET,
     AdditionTask,
     addition_reward,
     exact_match,
@@ -46,7 +46,7 @@ def test_answers_are_zero_padded_sums(num_digits):
     operands = [int(s) for p in problems for s in p["prompt"][:-1].split("+")]
     # Uniform over [0, 10^n): small and leading-zero operands occur.
     assert min(operands) < 10 ** (num_digits - 1) and max(operands) < 10**num_digits
-    assert set("".join(p["prompt"] for p in problems)) <= set(ALPHABET)
+    assert set("".join(p["prompt"] for p in problems)) <= set(ADDITION_ALPHABET)
 
 
 def test_worked_examples_are_formatted_as_documented(tokenizer):
@@ -61,7 +61,7 @@ def test_worked_examples_are_formatted_as_documented(tokenizer):
 def test_token_ids_round_trip_through_the_saved_tokenizer(tmp_path):
     make_addition_tokenizer().save_pretrained(tmp_path)
     tokenizer = load_tokenizer(tmp_path)
-    assert len(tokenizer) == 4 + len(ALPHABET)
+    assert len(tokenizer) == 4 + len(ADDITION_ALPHABET)
     task = AdditionTask(3)
     problems = task.sample_problems(16, seed=0)
     target = task.answer_token_ids(tokenizer, [p["answer"] for p in problems])

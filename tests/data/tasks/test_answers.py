@@ -10,10 +10,10 @@ from jaxrl.data.tasks import answers
 from jaxrl.data.tasks.answers import (
     after_hashes,
     answer_field,
+    boxed_answer,
     boxed_contents,
     drop_thousands_separators,
     equal,
-    final_answer,
 )
 
 
@@ -43,13 +43,13 @@ def test_boxed_contents(text, contents):
     ("#### 1\n#### 12 apples \nmore", "12 apples"),
 ])
 def test_final_answer(completion, answer):
-    assert final_answer(completion) == answer
+    assert boxed_answer(completion) == answer
 
 
 @pytest.mark.parametrize("completion", ["", "the answer is 42", "\\boxed{}", "\\boxed{42",
                                         "####\n42", "#### "])
 def test_final_answer_none_without_an_answer(completion):
-    assert final_answer(completion) is None
+    assert boxed_answer(completion) is None
     assert after_hashes(completion) is None
 
 

@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from jaxrl.data.tasks.custom import load_reward_fn, render_prompt
+from jaxrl.data.tasks.custom import load_reward_fn, render_custom_prompt
 
 REWARDS = '''
 def score(prompt, completion, fields):
@@ -75,4 +75,4 @@ def test_a_module_that_fails_on_import_is_named(module):
 
 
 def test_custom_prompts_are_verbatim():
-    assert render_prompt("  Say hi.\n") == "  Say hi.\n"
+    assert render_custom_prompt("  Say hi.\n") == "  Say hi.\n"

@@ -13,7 +13,7 @@ import pytest
 
 from jaxrl.config import DataSection
 from jaxrl.data.tasks import competition_math, formats, gsm8k
-from jaxrl.data.tasks.addition import ALPHABET
+from jaxrl.data.tasks.addition import ADDITION_ALPHABET
 from jaxrl.data.tasks.registry import make_task
 from jaxrl.data.tokenizer import make_char_tokenizer
 from jaxrl.rl.rewards import JaxReward, PythonReward, RewardInputs
@@ -68,7 +68,7 @@ def test_addition_tokenizer_is_the_16_token_char_tokenizer():
     assert len(tokenizer) == 16
     assert tokenizer.convert_ids_to_tokens(list(range(4))) == ["<pad>", "<bos>", "<eos>",
                                                                "<unk>"]
-    assert tokenizer.convert_tokens_to_ids(list(ALPHABET)) == list(range(4, 16))
+    assert tokenizer.convert_tokens_to_ids(list(ADDITION_ALPHABET)) == list(range(4, 16))
     assert tokenizer.eos_token_id == EOS
 
 

@@ -1,8 +1,9 @@
 """The dense reference sampler: the test oracle the engine is checked against, not the engine.
 
 The engine (`jaxrl.rollout.slots`, driven by `jaxrl.rollout.decode_loop`) does not use it;
-tests do, and FLOP accounting lowers its phases. It is the plainest correct rollout: prefill
-left-padded prompts once, then decode every row in a `lax.while_loop` over a dense cache.
+`Sampler` runs it when `SamplerConfig.engine` is None, tests check the engine against it, and
+FLOP accounting lowers its phases. It is the plainest correct rollout: prefill left-padded
+prompts once, then decode every row in a `lax.while_loop` over a dense cache.
 
     cache, logits = model.extend(prompts)                 prefill, one pass over B prompts
     repeat cache and last logits n times                  the GRPO group shares the prefill
@@ -29,8 +30,8 @@ from jaxrl.rollout.types import Rollout, SamplerConfig, prompt_keys
 from jaxrl.sharding import constrain
 
 
-def prefill(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
-            max_new_tokens: int) -> tuple[jax.Array, KVCache, jax.Array]:
+def dense_prefill(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
+                  max_new_tokens: int) -> tuple[jax.Array, KVCache, jax.Array]:
     """(last column's logits_BxV, cache, positions_BxP): one pass over the prompts into an
     empty cache of P + max_new_tokens - 1 slots (the last sampled token is never fed back)."""
     num_prompts, prompt_len = prompt_ids_BxP.shape
@@ -41,15 +42,15 @@ def prefill(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.
     return logits_Bx1xV[:, 0], cache, positions_BxP
 
 
-def decode_step(model: Transformer, token_B: jax.Array, position_B: jax.Array,
-                cache: KVCache) -> tuple[jax.Array, KVCache]:
+def dense_decode_step(model: Transformer, token_B: jax.Array, position_B: jax.Array,
+                      cache: KVCache) -> tuple[jax.Array, KVCache]:
     """(logits_BxV, cache): one token per row appended to the cache, attending over all of it."""
     logits_Bx1xV, cache = model.extend(token_B[:, None], position_B[:, None], cache)
     return logits_Bx1xV[:, 0], cache
 
 
-def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
-           key: jax.Array, config: SamplerConfig) -> Rollout:
+def sample_dense(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.Array,
+                 key: jax.Array, config: SamplerConfig) -> Rollout:
     """Samples `num_generations` completions per left-padded prompt (pure; call under jit)."""
     num_prompts = prompt_ids_BxP.shape[0]
     n, steps = config.num_generations, config.max_new_tokens
@@ -60,7 +61,7 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
     # fresh Variables holding the same arrays.
     graphdef, weights = nnx.split(model)
 
-    logits_BxV, cache, positions_BxP = prefill(
+    logits_BxV, cache, positions_BxP = dense_prefill(
         nnx.merge(graphdef, weights, copy=True), prompt_ids_BxP, prompt_mask_BxP, steps)
 
     def repeat(x, axis):
@@ -72,7 +73,7 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
     row_keys_B = jax.vmap(lambda k: jax.random.split(k, n))(
         prompt_keys(key, num_prompts)).reshape(-1)
     batch = num_prompts * n
-    stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
+    stop_ids = jnp.asarray(config.end_token_ids or (-1,), jnp.int32)
 
     def draw(t, logits_BxV, done_B, out):
         keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_B, t)
@@ -96,8 +97,8 @@ def sample(model: Transformer, prompt_ids_BxP: jax.Array, prompt_mask_BxP: jax.A
 
     def body(state):
         t, token_B, cache, done_B, position_B, out = state
-        logits_BxV, cache = decode_step(nnx.merge(graphdef, weights, copy=True), token_B,
-                                        position_B, cache)
+        logits_BxV, cache = dense_decode_step(nnx.merge(graphdef, weights, copy=True), token_B,
+                                              position_B, cache)
         token_B, done_B, out = draw(t, logits_BxV, done_B, out)
         return t + 1, token_B, cache, done_B, position_B + 1, out
 
