@@ -421,7 +421,7 @@ def check_schedule(graphdef, params, engine, prompts, limits, new, expected, mes
         with use_rules(mesh, rules):
             keys = jax.random.split(jax.random.key(0), ids_BxP.shape[0])
             return rollout(nnx.merge(graphdef, params), ids_BxP, mask_BxP, keys, limit_B, new,
-                           engine, stop_token_ids=(), pad_token_id=0,
+                           engine, end_token_ids=(), pad_token_id=0,
                            sampling=SamplingParams(1.0))[1:]
 
     if (got := tuple(int(x) for x in steps(params, *prompts, limits))) != expected:

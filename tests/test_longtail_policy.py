@@ -17,7 +17,7 @@ from flax import nnx
 from transformers import Qwen2ForCausalLM
 
 from jaxrl.data.tasks.gsm8k import render_question
-from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+from jaxrl.data.tokenizer import completion_end_ids, load_tokenizer, pad_token_id
 from jaxrl.models import from_pretrained
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig, SamplingParams
 
@@ -147,7 +147,7 @@ def test_jaxrl_samples_the_intended_lengths(workload):
     tokenizer = load_tokenizer(str(model_dir))
     model = from_pretrained(str(model_dir))
     graphdef, params = nnx.split(model)
-    stop_ids = stop_token_ids(tokenizer, model.config, ())
+    stop_ids = completion_end_ids(tokenizer, model.config, ())
     assert stop_ids == (tokenizer.eos_token_id,)
     config = SamplerConfig(lt.CAP, ROWS, end_token_ids=stop_ids,
                            pad_token_id=pad_token_id(tokenizer), sampling=SamplingParams(1.0))

@@ -22,7 +22,7 @@ from jaxrl.data.tokenizer import (
     encode_prompts,
     load_tokenizer,
     pad_token_id,
-    rollout_stop_ids,
+    rollout_end_ids,
 )
 from jaxrl.models import load_policy
 from jaxrl.rollout import Prompts, Sampler, SamplerConfig
@@ -60,7 +60,7 @@ def run_generate(cfg: GenerateConfig, console: Console) -> list[dict[str, Any]]:
                         rules=layout.rollout_rules)
     graphdef, params = nnx.split(model)
     sampler_config = SamplerConfig.of(
-        cfg.rollout, end_token_ids=rollout_stop_ids(tokenizer, model.config, cfg.rollout),
+        cfg.rollout, end_token_ids=rollout_end_ids(tokenizer, model.config, cfg.rollout),
         pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(graphdef, sampler_config, mesh=mesh, rules=layout.rollout_rules)
     ids_BxP, mask_BxP = encode_prompts(tokenizer, cfg.generate.prompts,

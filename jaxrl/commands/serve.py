@@ -32,7 +32,7 @@ from flax import nnx
 from rich.console import Console
 
 from jaxrl.config import ConfigError, ExperimentConfig
-from jaxrl.data.tokenizer import load_tokenizer, rollout_stop_ids
+from jaxrl.data.tokenizer import load_tokenizer, rollout_end_ids
 from jaxrl.models import load_policy
 from jaxrl.perf.memory import MemoryFitError, format_bytes, memory_limit
 from jaxrl.rollout import serving
@@ -80,7 +80,7 @@ def _serve(cfg: ExperimentConfig, console: Console, step: int | None, stop: thre
     del model
     slots = _slots(cfg, model_config, params, mesh, layout.rollout_rules)
     spec = EngineSpec.of(cfg, model_config, num_slots=slots,
-                         end_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
+                         end_token_ids=rollout_end_ids(tokenizer, model_config, cfg.rollout),
                          tokenizer_dir=str(model_dir))
     engine = JetStreamEngine(graphdef, params, spec, mesh=mesh, rules=layout.rollout_rules)
     del params

@@ -106,8 +106,8 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, ids_BxC: np.ndarray,
             for ids, mask in zip(np.asarray(ids_BxC), np.asarray(mask_BxC), strict=True)]
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
-                   extra: Sequence[int]) -> tuple[int, ...]:
+def completion_end_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
+                       extra: Sequence[int]) -> tuple[int, ...]:
     """EOS ids of the tokenizer and of the model config, plus the configured ones."""
     ids = set(extra)
     for source in (tokenizer.eos_token_id, model_config.eos_token_id):
@@ -117,13 +117,13 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
     return tuple(sorted(int(i) for i in ids))
 
 
-def rollout_stop_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
-                     rollout: Any) -> tuple[int, ...]:
-    """The ids a rollout stops on: `stop_token_ids` with the config's `rollout.stop_token_ids`,
-    none at all with `rollout.ignore_eos`."""
+def rollout_end_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any,
+                    rollout: Any) -> tuple[int, ...]:
+    """The ids that end a rollout's completion: `completion_end_ids` with
+    `rollout.stop_token_ids`, none at all with `rollout.ignore_eos`."""
     if rollout.ignore_eos:
         return ()
-    return stop_token_ids(tokenizer, model_config, rollout.stop_token_ids)
+    return completion_end_ids(tokenizer, model_config, rollout.stop_token_ids)
 
 
 def make_char_tokenizer(alphabet: str, *, extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:

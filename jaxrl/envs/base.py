@@ -9,13 +9,14 @@ Environments run on the host, one call per turn, possibly in a worker thread whi
 samples keep decoding; they must not share mutable state between samples.
 
 The contract the rollout checks at every turn (`observation_problem`): `step` returns an
-`Observation`, its `reward` is None or a finite number, its `text` None or a str, its `ids`
-None or token ids inside the model's vocabulary, its text encoded to such ids too
-(`encoded_problem`); and `step` returns within the run's time limit (`data.env_timeout_s`).
-A broken one ends the run with `EnvFailure`, whose one-line message names the environment,
-the row and turn, and what was expected: a user's plugin is found out by name instead of
-training silently on garbage (an id past the vocabulary would be clamped by the embedding
-lookup) or hanging.
+`Observation`, its `reward` is None or a finite number, its `text` None or a str; and `step`
+returns within the run's time limit (`data.env_timeout_s`). A broken one ends the run with
+`EnvFailure`, whose one-line message names the environment, the row and turn, and what was
+expected: a user's plugin is found out by name instead of hanging or training on garbage.
+Token ids outside the model's vocabulary (`Observation.ids`, or what its text encodes to:
+`encoded_problem`) would be clamped by the embedding lookup: the rollout counts them and
+never feeds them (the episode ends there; counted in `tool/errors`), logging the first
+one's message to "jaxrl.envs".
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import jax
 from jaxrl.models.attention_kernels import resolve_attention_impl
 from jaxrl.models.families import (
     ARCHITECTURES,
+    ATTENTION_BIAS_SWITCH_MODEL_TYPES,
     MOE_MODEL_TYPES,
     QK_NORM_MODEL_TYPES,
     QKV_BIAS_MODEL_TYPES,
@@ -224,7 +225,8 @@ class ModelConfig:
         """The HF `config.json` dict that transformers reads back as the same architecture."""
         if self.model_type in QKV_BIAS_MODEL_TYPES and (not self.qkv_bias or self.o_bias):
             raise UnsupportedModelError("qwen2 checkpoints always have q/k/v bias and no o bias")
-        if self.model_type in ("llama", "mistral", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
+        if (self.model_type in ATTENTION_BIAS_SWITCH_MODEL_TYPES
+                and self.qkv_bias != self.o_bias):
             raise UnsupportedModelError(
                 f"{self.model_type} has one attention_bias switch for q/k/v and o; "
                 f"got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}"
@@ -260,7 +262,7 @@ class ModelConfig:
                                              or not self.norm_topk_prob):
             raise UnsupportedModelError("mixtral has no attention biases and always "
                                         "renormalises its top-k router weights")
-        if self.model_type not in ("qwen2", "mixtral"):
+        if self.model_type in ATTENTION_BIAS_SWITCH_MODEL_TYPES:
             hf["attention_bias"] = self.qkv_bias
         if self.model_type in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window

@@ -14,6 +14,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mix
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 QKV_BIAS_MODEL_TYPES = ("qwen2",)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# One config.json `attention_bias` switch for q/k/v and o (written back as one).
+ATTENTION_BIAS_SWITCH_MODEL_TYPES = ("llama", "mistral", "qwen3", "qwen3_moe")
 
 # The `architectures` entry of config.json: the transformers class that loads the family.
 ARCHITECTURES = {

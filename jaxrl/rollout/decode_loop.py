@@ -50,16 +50,16 @@ class DecodeSetup:
     layout: PoolLayout
     config: EngineConfig
     group_size: int
-    stop_token_ids: tuple[int, ...]
+    end_token_ids: tuple[int, ...]
     sampling: SamplingParams
 
     @property
     def stops(self) -> slots.Stops:
-        return slots.Stops(row_ids=tuple(self.stop_token_ids))
+        return slots.Stops(row_ids=tuple(self.end_token_ids))
 
 
 def decode_setup(model_config, config: EngineConfig, num_prompts: int, prompt_len: int,
-                 num_rows: int, max_new_tokens: int, stop_token_ids: tuple[int, ...],
+                 num_rows: int, max_new_tokens: int, end_token_ids: tuple[int, ...],
                  sampling: SamplingParams) -> DecodeSetup:
     """The `DecodeSetup` of `num_rows` rows of `num_prompts` prompts up to `prompt_len` tokens."""
     num_slots = max_concurrent_decodes(config, num_rows)
@@ -69,7 +69,7 @@ def decode_setup(model_config, config: EngineConfig, num_prompts: int, prompt_le
     config = dataclasses.replace(config, attention=resolve_impl(
         config.attention, model_config, num_slots=num_slots, num_pages=layout.num_pages,
         page_size=layout.page_size, table_width=layout.table_width))
-    return DecodeSetup(layout, config, num_rows // num_prompts, tuple(stop_token_ids), sampling)
+    return DecodeSetup(layout, config, num_rows // num_prompts, tuple(end_token_ids), sampling)
 
 
 @struct.dataclass
@@ -212,7 +212,7 @@ def advance(model: Transformer, setup: DecodeSetup, progress: InProgress, row_ke
 
 def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.Array,
             row_keys_B: jax.Array, limit_B: jax.Array, max_new_tokens: int,
-            config: EngineConfig, *, stop_token_ids: tuple[int, ...], pad_token_id: int,
+            config: EngineConfig, *, end_token_ids: tuple[int, ...], pad_token_id: int,
             sampling: SamplingParams, home_B: jax.Array | None = None
             ) -> tuple[Outputs, jax.Array, jax.Array]:
     """(outputs, iterations, slot steps): every row's completion ([B, C]), the decode
@@ -224,7 +224,7 @@ def rollout(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask_PxL: jax.
     paying for free slots."""
     num_prompts, prompt_len = prompt_ids_PxL.shape
     setup = decode_setup(model.config, config, num_prompts, prompt_len, row_keys_B.shape[0],
-                         max_new_tokens, stop_token_ids, sampling)
+                         max_new_tokens, end_token_ids, sampling)
     progress = begin(model, setup, prompt_ids_PxL, prompt_mask_PxL, row_keys_B, limit_B,
                      max_new_tokens, pad_token_id, home_B)
     num_slots = progress.state.row_S.shape[0]
@@ -344,7 +344,7 @@ def sample_continuous(model: Transformer, prompt_ids_PxL: jax.Array, prompt_mask
     limit_B = row_limits(limit_B, keys_B.shape[0], config.max_new_tokens)
     out, _, slot_steps = rollout_on_mesh(
         model, prompt_ids_PxL, prompt_mask_PxL, keys_B, limit_B, config.max_new_tokens,
-        engine_config(config, keys_B.shape[0]), stop_token_ids=config.end_token_ids,
+        engine_config(config, keys_B.shape[0]), end_token_ids=config.end_token_ids,
         pad_token_id=config.pad_token_id, sampling=config.sampling)
     return to_rollout(out, prompt_ids_PxL, prompt_mask_PxL, n, slot_steps)
 

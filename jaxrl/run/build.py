@@ -45,7 +45,7 @@ from jaxrl.config.plan import RunPlan, plan, splits_devices
 from jaxrl.data.curriculum import LAG, make_prompt_sampler
 from jaxrl.data.prompts import PromptBatch, PromptBatches
 from jaxrl.data.tasks.registry import Task, make_task
-from jaxrl.data.tokenizer import load_tokenizer, pad_token_id, rollout_stop_ids, stop_token_ids
+from jaxrl.data.tokenizer import completion_end_ids, load_tokenizer, pad_token_id, rollout_end_ids
 from jaxrl.distributed import broadcast
 from jaxrl.models import ModelConfig, Transformer, load_policy
 from jaxrl.models.hf_io import read_config
@@ -163,7 +163,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, console: Console, *,
     ref_params = reference_params(ts) if cfg.algo.loss.beta > 0 else None
     graphdef, state = nnx.split(ts)
     episodes = None if run_plan.env is None else make_episodes(
-        cfg, run_plan.env, task, tokenizer, stop_token_ids(tokenizer, model.config, ()),
+        cfg, run_plan.env, task, tokenizer, completion_end_ids(tokenizer, model.config, ()),
         model.config.vocab_size)
     step = _step(cfg, run_plan, graphdef, nnx.graphdef(ts.model), model.config, tokenizer,
                  rewards, episodes, (mesh, layout), (rollout_mesh, rollout_layout))
@@ -269,7 +269,7 @@ def _step(cfg: ExperimentConfig, run_plan: RunPlan, graphdef: nnx.GraphDef,
     """The run's step: the learner, with the rollout source of the run's plan."""
     (mesh, layout), (rollout_mesh, rollout_layout) = train, rollout
     sampler_config = SamplerConfig.of(
-        cfg.rollout, end_token_ids=rollout_stop_ids(tokenizer, model_config, cfg.rollout),
+        cfg.rollout, end_token_ids=rollout_end_ids(tokenizer, model_config, cfg.rollout),
         pad_token_id=pad_token_id(tokenizer))
     sampler = Sampler(model_graphdef, sampler_config, mesh=rollout_mesh or mesh,
                       rules=rollout_layout.rollout_rules)

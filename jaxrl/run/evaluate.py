@@ -46,9 +46,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.config import EvalSection
-from jaxrl.data.tokenizer import stop_token_ids
+from jaxrl.data.tokenizer import completion_end_ids
 from jaxrl.rollout import Rollout, Sampler, SamplerConfig
-from jaxrl.run.episodes import RowView, env_spec, task_prompts
+from jaxrl.run.episodes import RowView, task_prompts
 from jaxrl.saved.files import EVAL_FILE
 from jaxrl.sharding import AxisRules
 from jaxrl.step.builder import score_host_rows
@@ -101,13 +101,13 @@ class Evaluator:
             raise ValueError(f"data.task={task.name} has no held-out prompts to evaluate on")
         self.cfg, self.placement = cfg, run.placement
         rows = task.eval_rows(cfg.num_prompts, cfg.seed)
-        self.prompts = task_prompts(run.cfg, task, rows, env_spec(run.cfg, task), batch_size=1,
+        self.prompts = task_prompts(run.cfg, task, rows, run.plan.env, batch_size=1,
                                     seed=cfg.seed).build(run.tokenizer)
         self.rewards = rewards = task.reward_set(run.tokenizer, rows)
         n = cfg.num_samples
         config = dataclasses.replace(
             run.step.sampler.config, num_generations=n, sampling=cfg.sampling,
-            end_token_ids=stop_token_ids(run.tokenizer, run.model_config,
+            end_token_ids=completion_end_ids(run.tokenizer, run.model_config,
                                          run.cfg.rollout.stop_token_ids))
         self.sampler = _sampler(run.step.sampler.graphdef, config, run.mesh,
                                 run.layout.rollout_rules)

@@ -3,7 +3,7 @@
     rollout_devices, train_devices = split_devices(4)            # jaxrl.sharding.submeshes
     source = QueuedRollouts(sampler, clock, rollout=(rollout_mesh, rollout_rules),
                             train=(train_mesh, train_rules), max_staleness=1)
-    step = Step(cfg, graphdef, source, rewards, clock=clock, mesh=train_mesh, rules=train_rules)
+    step = Step(cfg, graphdef, source, rewards, mesh=train_mesh, rules=train_rules)
     for n in range(num_steps):
         state, out = step(state, n, batch_of)       # batch_of(m) -> (prompts, fields_P, rows_P, key)
 

@@ -127,14 +127,13 @@ class Step:
     """
 
     def __init__(self, cfg: AlgoSection, graphdef: nnx.GraphDef, source: RolloutSource,
-                 rewards: RewardSet, *, clock: PhaseClock | None = None,
-                 optim: OptimSection | None = None, mesh: Mesh | None = None,
-                 rules: AxisRules | None = None):
+                 rewards: RewardSet, *, optim: OptimSection | None = None,
+                 mesh: Mesh | None = None, rules: AxisRules | None = None):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
         self.cfg, self.graphdef, self.rewards, self.source = cfg, graphdef, rewards, source
         self.mesh, self.rules = mesh, rules
-        self.clock = PhaseClock(enabled=False) if clock is None else clock
+        self.clock = source.clock
         self.fused = isinstance(source, InGraph)  # decided once: one program, or the source's
         self._schedule = None if optim is None else learning_rate_schedule(optim)
         self._jit()
@@ -279,14 +278,18 @@ def build_step(cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler, rewar
     are the train rules; `optim` only adds the `lr` metric; `phase_times` puts the phase
     stamps (host callbacks) into the programs.
     """
-    plan = RunPlan(cfg.mode) if plan is None else plan
+    if plan is None:
+        if cfg.mode == "async":
+            raise ValueError("an async step needs its plan (plan=jaxrl.config.plan.plan(...)): "
+                             "max_staleness and in-flight updates are decided there")
+        plan = RunPlan(cfg.mode)
     clock = PhaseClock(enabled=phase_times)
     train = None if mesh is None else (mesh, rules)
     source: RolloutSource
     if plan.env is not None:
         if episodes is None:
             raise ValueError(f"a multi-turn plan (environment {plan.env!r}) needs episodes=")
-        source = EpisodeRollouts(sampler, episodes, env_rewards=env_rewards)
+        source = EpisodeRollouts(sampler, episodes, clock, env_rewards=env_rewards)
     elif plan.mode == "async":
         if rollout is None or train is None:
             raise ValueError("an async plan needs the train mesh and rules (mesh=, rules=) and "
@@ -300,5 +303,4 @@ def build_step(cfg: AlgoSection, graphdef: nnx.GraphDef, sampler: Sampler, rewar
         source = Jitted(sampler, clock, train_rules=train)
     else:
         raise ValueError(f"plan.mode must be fused, split or async, got {plan.mode!r}")
-    return Step(cfg, graphdef, source, rewards, clock=clock, optim=optim, mesh=mesh,
-                rules=rules)
+    return Step(cfg, graphdef, source, rewards, optim=optim, mesh=mesh, rules=rules)

@@ -26,15 +26,17 @@ Metrics added to each step (host values): `turns/mean`, `tool/calls_per_sample`,
 `tool/errors`, `tool/timeouts` (per sample), `tool/latency_s` (mean seconds per call),
 `env/time_s` (seconds in environments, summed over calls), `env/wait_s` (seconds the decode
 loop had no slot to run because every busy one waited on its environment),
-`rollout/truncated_frac`, `env/vocab_errors` (samples whose environment answered with token
-ids outside the model's vocabulary: never fed, the episode ends there) and `time/rollout_s`
-(the host rollout's wall time, from the moment the previous step's updates are done).
+`rollout/truncated_frac` and `time/rollout_s` (the host rollout's wall time, from the moment
+the previous step's updates are done). An observation refused for token ids outside the
+model's vocabulary counts as one of its sample's `tool/errors` (never fed: the episode ends
+there).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,12 +50,14 @@ from jaxrl.envs.base import EnvFactory, EnvFailure, Environment
 from jaxrl.rollout import Prompts, Rollout, Sampler
 from jaxrl.rollout.episode_rows import MultiTurnRollout
 from jaxrl.sharding import AxisRules
+from jaxrl.step.clock import PhaseClock
 from jaxrl.step.multiturn_config import MultiTurnConfig
 from jaxrl.step.multiturn_rollout import rollout_multiturn
 from jaxrl.step.phases import reward_inputs
 from jaxrl.step.sources import Made, RolloutArgs, RolloutSource
 
 ENV_REWARD_FIELD = "env_reward"
+envs_logger = logging.getLogger("jaxrl.envs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +91,6 @@ def turn_metrics(out: MultiTurnRollout) -> dict[str, float]:
         "env/time_s": out.env_time_s,
         "env/wait_s": out.env_wait_s,
         "rollout/truncated_frac": float(out.truncated_B.mean()),
-        "env/vocab_errors": float(out.vocab_errors_B.mean()),
         "time/rollout_s": out.wall_s,
     }
 
@@ -96,11 +99,13 @@ class EpisodeRollouts(RolloutSource):
     """The multi-turn rollout source (module docstring). `env_rewards`: the environment's
     own reward is the JAX reward "env" of the run's reward set."""
 
-    def __init__(self, sampler: Sampler, episodes: Episodes, *, env_rewards: bool = False):
-        super().__init__(sampler)
+    def __init__(self, sampler: Sampler, episodes: Episodes, clock: PhaseClock | None = None,
+                 *, env_rewards: bool = False):
+        super().__init__(sampler, clock)
         self.episodes = episodes
         self.env_rewards = env_rewards
         self.last_rollout: MultiTurnRollout | None = None
+        self._vocab_error_logged = False
 
     def next(self, params: nnx.State, n: int, batch_of: Callable[[int], RolloutArgs],
              layout: Any | None) -> Made:
@@ -115,6 +120,11 @@ class EpisodeRollouts(RolloutSource):
                                     rows_P, key, self.sampler.config.sampling, g,
                                     mesh=self.sampler.mesh, rules=self.sampler.rules)
         self.last_rollout = out
+        if out.vocab_error is not None and not self._vocab_error_logged:
+            self._vocab_error_logged = True
+            envs_logger.warning("step %d: %s; that observation is not fed, its episode ends "
+                                "there and counts in tool/errors (only the first is "
+                                "logged)", n, out.vocab_error)
         inputs = reward_inputs(rollout, fields_P, rows_P, g)
         if self.env_rewards:  # per sample already: not repeated per prompt
             inputs.fields[ENV_REWARD_FIELD] = jnp.asarray(out.reward_B, jnp.float32)

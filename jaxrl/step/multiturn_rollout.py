@@ -39,9 +39,9 @@ Environments are a user's code: every answer is checked against the contract
 timed against `env_timeout_s`, and the calls run on daemon threads (`env_calls.py`), so an
 exception, a broken contract or a hang ends the rollout with `EnvFailure` naming the row and
 turn, and a hung call never keeps the process alive. Token ids outside the model's
-vocabulary (given, or what a text encodes to: `encoded_problem`) are counted instead
-(`MultiTurnRollout.vocab_errors_B`, the first one's message kept): that observation is never
-fed and its episode ends there.
+vocabulary (given, or what a text encodes to: `encoded_problem`) are counted instead (in
+`MultiTurnRollout.vocab_errors_B` and the sample's tool errors, the first one's message
+kept): that observation is never fed and its episode ends there.
 """
 
 from __future__ import annotations
@@ -345,6 +345,7 @@ class _Episodes:
                    else encoded_problem(new, self.vocab_size))
         if problem is not None:  # counted, never fed: the episode ends at this turn
             row.vocab_error = str(EnvFailure(problem, row=r, turn=len(row.ends)))
+            row.tools[1] += 1  # one of the sample's tool/errors
             return self.finish(slot, True)
         if len(new) >= room:  # no room for a model token after it: cut, and the episode ends
             for token in new[:room]:

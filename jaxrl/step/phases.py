@@ -8,23 +8,6 @@
 
 The learner (`jaxrl.step.learner`) calls them in that order, then the updates
 (`jaxrl.step.updates.apply_updates`); every function here is pure and traceable.
-
-Deliberate choices:
-- Microbatch losses are normalised by the counts of their whole minibatch (valid tokens,
-  non-empty sequences; `policy_loss`'s num_tokens / num_seqs), so the summed gradients of the
-  microbatches are the minibatch's gradient, whatever the aggregation: accumulation ≡ full
-  batch up to float rounding, and the loss metrics sum the same way.
-- Minibatches and microbatches are *strided* row sets (minibatch m of M holds rows
-  m, m + M, m + 2M, ...): on a mesh every slice then stays evenly split over the devices
-  that hold the batch rows, so slicing moves no data. A minibatch thus mixes groups;
-  advantages are computed over the whole batch before, so nothing depends on that.
-- old_logp is recomputed by the trainer's forward instead of reusing the sampler's: the
-  ratio of the first update is then exactly 1, and the sampler's own log-probs (at
-  temperature 1, `logp_raw_BxC`) serve only TIS, which corrects the sampler/trainer gap.
-- When a step makes one update (num_iterations x num_minibatches == 1) the policy that
-  computes the loss *is* the old policy, so old_logp = stop_gradient(logp) of the same
-  forward: one forward pass per step less, the same loss and gradient (the ratio is exactly
-  1 either way).
 """
 
 from __future__ import annotations
@@ -103,13 +86,13 @@ def update_batch(rollout: Rollout, adv_B: jax.Array, loss_mask_BxC: jax.Array
     }
 
 
-def completion_metrics(rollout: Rollout, stop_token_ids: tuple[int, ...],
+def completion_metrics(rollout: Rollout, end_token_ids: tuple[int, ...],
                        ) -> dict[str, Any]:
     """completion/len_mean, completion/clipped_frac (no stop token within the budget),
     rollout/num_steps (filled completion columns) and rollout/decode_slot_steps (one-row
     forward passes the decode loop ran: what its FLOPs scale with)."""
     mask_BxC = rollout.completion_mask_BxC.astype(bool)
-    stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
+    stop_ids = jnp.asarray(end_token_ids or (-1,), jnp.int32)
     stopped_B = jnp.any(mask_BxC & jnp.isin(rollout.completion_ids_BxC, stop_ids), axis=1)
     return {
         "completion/len_mean": jnp.mean(jnp.sum(mask_BxC, axis=1), dtype=jnp.float32),

@@ -13,9 +13,22 @@ separate critic (each clipped and stepped by its own optimizer). The KL referenc
 the same filter (`policy_and_reference`). The adaptive entropy coefficient
 (algo.loss.entropy_target) is a hook after each update (`adapt_entropy`).
 
-Microbatch losses are normalised by the counts of their whole minibatch, so the summed
-gradients of the microbatches are the minibatch's. Minibatches and microbatches are
-*strided* row sets (module docstring of `jaxrl.step.phases`).
+Deliberate choices:
+- Microbatch losses are normalised by the counts of their whole minibatch (valid tokens,
+  non-empty sequences; `policy_loss`'s num_tokens / num_seqs), so the summed gradients of the
+  microbatches are the minibatch's gradient, whatever the aggregation: accumulation ≡ full
+  batch up to float rounding, and the loss metrics sum the same way.
+- Minibatches and microbatches are *strided* row sets (minibatch m of M holds rows
+  m, m + M, m + 2M, ...): on a mesh every slice then stays evenly split over the devices
+  that hold the batch rows, so slicing moves no data. A minibatch thus mixes groups;
+  advantages are computed over the whole batch before, so nothing depends on that.
+- old_logp is recomputed by the trainer's forward instead of reusing the sampler's: the
+  ratio of the first update is then exactly 1, and the sampler's own log-probs (at
+  temperature 1, `logp_raw_BxC`) serve only TIS, which corrects the sampler/trainer gap.
+- When a step makes one update (num_iterations x num_minibatches == 1) the policy that
+  computes the loss *is* the old policy, so old_logp = stop_gradient(logp) of the same
+  forward: one forward pass per step less, the same loss and gradient (the ratio is exactly
+  1 either way).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from flax import nnx
 from jaxrl.cli import EXIT_CONFIG_ERROR, main
 from jaxrl.commands.generate import GenerateConfig, run_generate
 from jaxrl.config import load_config
-from jaxrl.data.tokenizer import make_char_tokenizer, stop_token_ids
+from jaxrl.data.tokenizer import completion_end_ids, make_char_tokenizer
 from jaxrl.models import Transformer, save_pretrained
 from jaxrl.models.config import tiny_config
 
@@ -56,7 +56,7 @@ def test_stop_ids_merge_tokenizer_model_and_config(model_dir):
 
     tokenizer = load_tokenizer(model_dir)
     config = tiny_config("qwen2", eos_token_id=(2, 7))
-    assert stop_token_ids(tokenizer, config, [9, 2]) == (2, 7, 9)
+    assert completion_end_ids(tokenizer, config, [9, 2]) == (2, 7, 9)
 
 
 def test_generate_needs_a_model_directory_with_a_tokenizer(tmp_path, capsys):

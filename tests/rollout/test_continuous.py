@@ -118,7 +118,7 @@ def _loop_counts(limits, slots, min_slots):
     keys = jax.random.split(jax.random.key(0), ROWS)
     _, steps, slot_steps = jax.jit(lambda state: rollout(
         nnx.merge(graphdef, state), ids, mask, keys, jnp.asarray(limits, jnp.int32),
-        NEW_TOKENS, engine, stop_token_ids=(), pad_token_id=0,
+        NEW_TOKENS, engine, end_token_ids=(), pad_token_id=0,
         sampling=SamplingParams(0.7)))(state)
     return int(steps), int(slot_steps)
 
@@ -229,7 +229,7 @@ def test_the_engine_steps_by_hand_give_the_rollout_row():
     @jax.jit
     def whole(state):
         return rollout(nnx.merge(graphdef, state), ids, mask, keys, limit, NEW_TOKENS, engine,
-                       stop_token_ids=(), pad_token_id=0, sampling=sampling)[0].tokens_BxC
+                       end_token_ids=(), pad_token_id=0, sampling=sampling)[0].tokens_BxC
 
     tokens, free_row, row_S = by_hand(state)
     assert num_slots == 2

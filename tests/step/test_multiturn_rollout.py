@@ -320,7 +320,7 @@ def test_observation_ids_outside_the_vocabulary_are_counted_never_fed(model):
             ScriptedEnv([Observation(text="3 48 50")]), ScriptedEnv([Observation(text="3 4")])]
     out = rollout_multiturn(model, ids, mask, envs, encode, decode, jax.random.key(0), config,
                             num_generations=2)
-    assert out.vocab_errors_B.tolist() == [0, 1, 1, 0]
+    assert out.vocab_errors_B.tolist() == out.tool_errors_B.tolist() == [0, 1, 1, 0]
     assert out.truncated_B.tolist()[1:3] == [True, True]
     assert out.vocab_error == ("sample 1, turn 1: Observation.ids must be token ids in "
                                "[0, 48) (the model's vocabulary), got [48]")
