@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from flax import nnx
@@ -31,8 +32,10 @@ def load_run_policy(run_dir: str | Path, step: int | None = None
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"the run's initial model {str(model_dir)!r} (its architecture and "
                           f"tokenizer) is missing")
-    # The checkpoint's tree is the one training used: the same dtype and layer stacking.
-    model = load_policy(model_dir, cfg.model.load_settings())
+    # The checkpoint's tree is the one training used: the same dtype and layer stacking. The
+    # attention kernel is this host's (`auto`): a run trained with cudnn is read on CPU too.
+    model = load_policy(model_dir, dataclasses.replace(cfg.model.load_settings(),
+                                                       attention_impl="auto"))
     checkpoints = Checkpoints(run_dir, async_save=False, base=None if cfg.model.lora is None
                               else base_reference(model_dir))
     try:
