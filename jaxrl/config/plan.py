@@ -38,11 +38,6 @@ class RunPlan:
     max_staleness: int = 0
 
     @property
-    def fused(self) -> bool:
-        """The rollout is traced into the step's one program."""
-        return self.mode == "fused"
-
-    @property
     def keeps_queue(self) -> bool:
         """Batches are made ahead on a rollout sub-mesh and saved with checkpoints."""
         return self.mode == "async"

@@ -13,10 +13,10 @@ state is donated and carried; drawing its batch calls every hook's `on_draw`), e
 order, every hook that is due after N+1 steps (`Hook.due`) runs `after_step`; one that reads
 the run's state as of step N (`needs_record`: a checkpoint holds the curriculum's view of N,
 an evaluation follows it in the log, bench's timer records every step at once) gets step
-N's record made first. Every record goes through each hook's `on_record`, in order: records flow only there.
-A hook that sets `trainer.stopping` (preemption) ends the loop after the remaining hooks of
-that step ran. Step N-1's record is made even when step N failed or was interrupted, but not
-again when making it was what failed.
+N's record made first. Every record goes through each hook's `on_record`, in order: records
+flow only there. A hook that sets `trainer.stopping` (preemption) ends the loop after the
+remaining hooks of that step ran. Step N-1's record is made even when step N failed or was
+interrupted, but not again when making it was what failed.
 """
 
 from __future__ import annotations

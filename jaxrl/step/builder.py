@@ -133,6 +133,7 @@ class Step:
             raise ValueError("pass both mesh and rules (the train rule set), or neither")
         self.cfg, self.graphdef, self.rewards, self.source = cfg, graphdef, rewards, source
         self.mesh, self.rules = mesh, rules
+        self._train_rules = None if mesh is None else (mesh, rules)  # traced under these
         self.clock = source.clock
         self.fused = isinstance(source, InGraph)  # decided once: one program, or the source's
         self._schedule = None if optim is None else learning_rate_schedule(optim)
@@ -233,7 +234,7 @@ class Step:
     def _learn_program(self, state, rollout, inputs, host_values, ref_params, *, fused=False
                        ) -> tuple[nnx.State, StepOutput]:
         """The train program: `learn` on a made rollout, the new state pinned to its layout."""
-        with rules_context(None if self.mesh is None else (self.mesh, self.rules)):
+        with rules_context(self._train_rules):
             if not fused:
                 rollout = rollout.replace(completion_ids_BxC=self.clock.stamp(
                     "train_start", rollout.num_steps, rollout.completion_ids_BxC))
@@ -255,7 +256,7 @@ class Step:
     def _fused_program(self, state, prompts, fields_P, rows_P, key, ref_params
                        ) -> tuple[nnx.State, StepOutput]:
         """The fused step's one program: the source's traced rollout, then the train body."""
-        with rules_context(None if self.mesh is None else (self.mesh, self.rules)):
+        with rules_context(self._train_rules):
             rollout, inputs = self.source.traced(self.policy_params(state), prompts, fields_P,
                                                  rows_P, key)
         return self._learn_program(state, rollout, inputs, None, ref_params, fused=True)

@@ -18,7 +18,7 @@ def test_the_mode_asked_for_is_kept_when_it_can_run():
     got = plan(_cfg("algo.mode=async", "algo.max_staleness=2", "rollout.inflight_updates=true"),
                env=None, python_rewards=False, processes=2)
     assert got == RunPlan("async", inflight=True, max_staleness=2)
-    assert got.keeps_queue and not got.fused and not got.multiturn
+    assert got.keeps_queue and not got.multiturn
 
 
 def test_python_rewards_on_several_processes_run_split_and_say_why():
